@@ -1,0 +1,1 @@
+# The gdfold_max kernels, packaged for MAX's custom-op loader.

@@ -1,0 +1,68 @@
+"""The fold on the CPU: parallel over (layer, request, value head), SIMD along V."""
+
+from max.algorithm import sync_parallelize
+from std.math import fma
+
+from .record_layout import decay_offset, delta_offset, key_offset
+
+# Lanes per SIMD step along the value dimension. K and V are multiples of 8.
+comptime CPU_LANES = 8
+
+
+def fold_cpu[
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    num_layers: Int,
+    batch: Int,
+    num_value_heads: Int,
+    num_key_heads: Int,
+    record_stride: Int,
+):
+    """Folds every (layer, request, value head) block; ids were validated."""
+    var group_size = num_value_heads // num_key_heads
+
+    def fold_one_head(item: Int) {imm}:
+        var value_head = item % num_value_heads
+        var pair = item // num_value_heads  # layer * batch + request
+        var request = pair % batch
+        var accepted = Int(num_accepted[unsafe_offset=request])
+        if accepted == 0 or accepted > RING_LEN:
+            return
+        var key_head = value_head // group_size
+        var group_slot = value_head % group_size
+        var state_base = (
+            (Int(row_ids[unsafe_offset=pair]) * num_value_heads + value_head) * K * V
+        )
+        # Record t of this key head starts at record_base + t * record_stride.
+        var record_base = (
+            (Int(ring_row_ids[unsafe_offset=pair]) * num_key_heads + key_head)
+            * RING_LEN
+            * record_stride
+        )
+        var delta_at = delta_offset[K, V](group_slot)
+        var decay_at = decay_offset[K, V](group_size, group_slot)
+        for i in range(K):
+            for j in range(0, V, CPU_LANES):
+                var at = state_base + i * V + j
+                var s = state.unsafe_load[width=CPU_LANES](at).cast[
+                    DType.float32
+                ]()
+                for t in range(accepted):
+                    var record = record_base + t * record_stride
+                    var decay = ring[unsafe_offset=record + decay_at]
+                    var key = ring[unsafe_offset=record + key_offset() + i]
+                    var delta = ring.unsafe_load[width=CPU_LANES](
+                        record + delta_at + j
+                    )
+                    # The verify's order: decay, rounded, then one fused step.
+                    s = fma(
+                        SIMD[DType.float32, CPU_LANES](key), delta, s * decay
+                    )
+                state.unsafe_store(at, s.cast[state_dtype]())
+
+    sync_parallelize(fold_one_head, num_layers * batch * num_value_heads)

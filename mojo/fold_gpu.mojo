@@ -1,0 +1,137 @@
+"""The fold on the GPU: one launch for every layer, request and value head.
+
+Grid: x = (value head, key tile), y = request, z = layer. A block owns a tile of
+KEY_DIM_TILE key rows of one value head's [K, V] state block. Each thread holds
+ROWS_PER_THREAD rows of one 16-byte column vector in registers: it issues all its
+state loads first, the block stages the accepted records in shared memory once, then
+each thread applies the records in order and stores each vector once.
+"""
+
+from max.gpu import barrier, block_idx, thread_idx
+from std.math import fma
+from std.memory import AddressSpace, stack_allocation
+from std.sys import size_of
+
+from .record_layout import decay_offset, delta_offset, key_offset
+
+# Rows of the key tile each thread keeps in registers.
+comptime ROWS_PER_THREAD = 4
+
+
+def state_vector_width[state_dtype: DType]() -> Int:
+    """Elements in one 16-byte state access."""
+    return 16 // size_of[state_dtype]()
+
+
+def fold_block_threads[state_dtype: DType, V: Int, KEY_DIM_TILE: Int]() -> Int:
+    """Threads of one block: the column vectors of a row times the row groups."""
+    return (V // state_vector_width[state_dtype]()) * (
+        KEY_DIM_TILE // ROWS_PER_THREAD
+    )
+
+
+def fold_gpu_kernel[
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, KEY_DIM_TILE: Int
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch_i32: Int32,
+    num_rows_i32: Int32,
+    num_ring_rows_i32: Int32,
+    num_value_heads_i32: Int32,
+    num_key_heads_i32: Int32,
+    record_stride_i32: Int32,
+):
+    # Sizes cross to the device as Int32; offsets are computed in Int (64-bit).
+    var batch = Int(batch_i32)
+    var num_rows = Int(num_rows_i32)
+    var num_ring_rows = Int(num_ring_rows_i32)
+    var num_value_heads = Int(num_value_heads_i32)
+    var num_key_heads = Int(num_key_heads_i32)
+    var record_stride = Int(record_stride_i32)
+    comptime VEC = state_vector_width[state_dtype]()
+    comptime COLUMN_THREADS = V // VEC
+    comptime ROW_THREADS = KEY_DIM_TILE // ROWS_PER_THREAD
+    comptime THREADS = COLUMN_THREADS * ROW_THREADS
+    comptime KEY_TILES = K // KEY_DIM_TILE
+
+    var key_tile = Int(block_idx.x) % KEY_TILES
+    var value_head = Int(block_idx.x) // KEY_TILES
+    var request = Int(block_idx.y)
+    var pair = Int(block_idx.z) * batch + request
+
+    # Every test below depends on the block alone, so the block leaves as a whole.
+    var accepted = Int(num_accepted[unsafe_offset=request])
+    if accepted == 0 or accepted > RING_LEN:
+        return
+    var row = Int(row_ids[unsafe_offset=pair])
+    var ring_row = Int(ring_row_ids[unsafe_offset=pair])
+    # Ids inside a graph are trusted for speed but never followed out of bounds.
+    if row >= num_rows or ring_row >= num_ring_rows:
+        return
+
+    var tid = Int(thread_idx.x)
+    var column = (tid % COLUMN_THREADS) * VEC
+    var row_group = tid // COLUMN_THREADS
+    var tile_base = key_tile * KEY_DIM_TILE
+
+    # 1. Issue every state load of this thread before anything waits.
+    var state_base = (row * num_value_heads + value_head) * K * V
+    var held = Array[SIMD[DType.float32, VEC], ROWS_PER_THREAD](
+        uninitialized=True
+    )
+    comptime for m in range(ROWS_PER_THREAD):
+        var at = state_base + (tile_base + row_group + m * ROW_THREADS) * V + column
+        held[m] = state.unsafe_load[width=VEC, alignment=16](at).cast[
+            DType.float32
+        ]()
+
+    # 2. Stage the accepted records' slices once per block.
+    var group_size = num_value_heads // num_key_heads
+    var key_head = value_head // group_size
+    var group_slot = value_head % group_size
+    var record_base = (
+        (ring_row * num_key_heads + key_head) * RING_LEN * record_stride
+    )
+    var keys = stack_allocation[
+        RING_LEN * KEY_DIM_TILE, DType.float32, address_space=AddressSpace.SHARED
+    ]()
+    var deltas = stack_allocation[
+        RING_LEN * V,
+        DType.float32,
+        alignment=16,
+        address_space=AddressSpace.SHARED,
+    ]()
+    var decays = stack_allocation[
+        RING_LEN, DType.float32, address_space=AddressSpace.SHARED
+    ]()
+    var delta_at = delta_offset[K, V](group_slot)
+    var decay_at = decay_offset[K, V](group_size, group_slot)
+    for idx in range(tid, accepted * KEY_DIM_TILE, THREADS):
+        var t = idx // KEY_DIM_TILE
+        keys[unsafe_offset=idx] = ring[unsafe_offset=
+            record_base + t * record_stride + key_offset() + tile_base
+            + idx % KEY_DIM_TILE
+        ]
+    for idx in range(tid, accepted * V, THREADS):
+        var t = idx // V
+        deltas[unsafe_offset=idx] = ring[unsafe_offset=record_base + t * record_stride + delta_at + idx % V]
+    if tid < accepted:
+        decays[unsafe_offset=tid] = ring[unsafe_offset=record_base + tid * record_stride + decay_at]
+    barrier()
+
+    # 3. Apply the records in order, in registers: decay (rounded), then one fma.
+    for t in range(accepted):
+        var decay = decays[unsafe_offset=t]
+        var delta = deltas.unsafe_load[width=VEC, alignment=16](t * V + column)
+        comptime for m in range(ROWS_PER_THREAD):
+            var key = keys[unsafe_offset=t * KEY_DIM_TILE + row_group + m * ROW_THREADS]
+            held[m] = fma(SIMD[DType.float32, VEC](key), delta, held[m] * decay)
+
+    # 4. Store each vector once, rounded to the pool's dtype.
+    comptime for m in range(ROWS_PER_THREAD):
+        var at = state_base + (tile_base + row_group + m * ROW_THREADS) * V + column
+        state.unsafe_store[alignment=16](at, held[m].cast[state_dtype]())

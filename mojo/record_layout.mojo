@@ -1,0 +1,30 @@
+"""Where each field of a ring record lives.
+
+A record holds, for one key head `h` and one token, the raw key (K floats), one
+delta row per value head of the group (G rows of V floats) and one decay per value
+head of the group (G floats), then padding up to the ring's record stride.
+"""
+
+
+@always_inline
+def key_offset() -> Int:
+    """Offset of the raw key inside a record."""
+    return 0
+
+
+@always_inline
+def delta_offset[K: Int, V: Int](group_slot: Int) -> Int:
+    """Offset of the delta row of the `group_slot`-th value head of the group."""
+    return K + group_slot * V
+
+
+@always_inline
+def decay_offset[K: Int, V: Int](group_size: Int, group_slot: Int) -> Int:
+    """Offset of the decay of the `group_slot`-th value head of the group."""
+    return K + group_size * V + group_slot
+
+
+@always_inline
+def record_elements[K: Int, V: Int](group_size: Int) -> Int:
+    """Floats a record needs before padding: key, G delta rows, G decays."""
+    return K + group_size * (V + 1)

@@ -1,0 +1,278 @@
+"""A numpy reference for the gated delta recurrence, its verify ring and the fold.
+
+This module imports neither MAX nor the kernels, so it stays an independent witness.
+Every state update goes through :func:`fma_f32`, an exact fp32 fused multiply-add:
+an fp32 product is exact in fp64, and an fp64 sum rounded to odd (TwoSum error term,
+then an even result nudged one ulp toward the error) rounds to the correctly rounded
+fp32 result. So the reference fold reproduces the kernels bit for bit, and folding the
+records of :func:`verify_ring` equals :func:`recurrence_fwd` over the accepted tokens.
+
+Shapes follow ``DESIGN``: ``qkv [T, 2*nk*K + nv*V]`` (q, k, v concatenated),
+``decay`` and ``beta`` ``[T, nv]``, a pool ``[rows, nv, K, V]`` of float32 or
+``ml_dtypes.bfloat16``, a ring ``[ring_rows, nk, RING_LEN, stride]`` of float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import NDArray
+
+from .layout import RecordLayout
+
+#: Added to the squared norm before the square root in the L2 normalisation.
+L2_EPS = 1e-6
+
+F32 = NDArray[np.float32]
+
+
+def fma_f32(a: NDArray, b: NDArray, c: NDArray) -> F32:
+    """Returns ``a * b + c`` rounded once to float32, element-wise and exactly.
+
+    Args:
+        a, b, c: float32 arrays (broadcast together).
+
+    Example:
+        >>> a = np.float32(1 + 2**-12); c = np.float32(-(1 + 2**-11))
+        >>> float(fma_f32(a, a, c)) == 2.0**-24   # one rounding, not two
+        True
+    """
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b64 = np.asarray(b, np.float32).astype(np.float64)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    with np.errstate(all="ignore"):
+        product = a64 * b64  # exact: 24 + 24 significant bits fit in 53
+        total = product + c64
+        # TwoSum: the exact rounding error of `total`.
+        c_part = total - product
+        p_part = total - c_part
+        error = (product - p_part) + (c64 - c_part)
+        # Round to odd: an inexact, even-mantissa sum moves one ulp toward the error.
+        even = (np.asarray(total).view(np.uint64) & np.uint64(1)) == 0
+        nudge = (error != 0) & even & np.isfinite(total)
+        toward = np.where(error > 0, np.inf, -np.inf)
+        total = np.where(nudge, np.nextafter(total, toward), total)
+        return np.asarray(total.astype(np.float32))
+
+
+def _widen(block: NDArray) -> F32:
+    return np.asarray(block, dtype=np.float32)
+
+
+def _narrow_like(values: F32, like: NDArray) -> NDArray:
+    """Rounds fp32 values to the pool's dtype (round to nearest even for bf16)."""
+    return values.astype(like.dtype)
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """Head counts and dims of one gated-delta layer."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_value_heads // self.num_key_heads
+
+    @property
+    def qkv_width(self) -> int:
+        return 2 * self.num_key_heads * self.key_dim + self.num_value_heads * self.value_dim
+
+    def split(self, qkv_row: NDArray) -> tuple[F32, F32, F32]:
+        """Splits one token's qkv into q, k (``[nv, K]``, repeated per group) and v."""
+        nk, nv, kd, vd = self.num_key_heads, self.num_value_heads, self.key_dim, self.value_dim
+        row = np.asarray(qkv_row, np.float32)
+        q = row[: nk * kd].reshape(nk, kd)
+        k = row[nk * kd : 2 * nk * kd].reshape(nk, kd)
+        v = row[2 * nk * kd :].reshape(nv, vd)
+        g = self.group_size
+        return np.repeat(q, g, axis=0), np.repeat(k, g, axis=0), v
+
+
+def _inverse_norm(x: F32) -> F32:
+    """``1 / sqrt(sum(x**2) + eps)`` per row, in float32."""
+    squares = np.einsum("hk,hk->h", x, x, dtype=np.float32)
+    return np.float32(1.0) / np.sqrt(squares + np.float32(L2_EPS))
+
+
+def _token_step(
+    state: F32, q: F32, k: F32, v: F32, decay: F32, beta: F32, heads: HeadShape
+) -> tuple[F32, F32, F32]:
+    """One token of the recurrence on an fp32 ``[nv, K, V]`` state.
+
+    Returns the new state, the delta factor ``u`` (``[nv, V]``) and the readout.
+    """
+    decay = decay.astype(np.float32)
+    beta = beta.astype(np.float32)
+    state = (state * decay[:, None, None]).astype(np.float32)
+    kv = np.einsum("hkv,hk->hv", state, k, dtype=np.float32)
+    inv_k = _inverse_norm(k)[:, None]
+    delta = (beta[:, None] * (v - kv * inv_k) * inv_k).astype(np.float32)
+    state = fma_f32(k[:, :, None], delta[:, None, :], state)
+    q_scaled = q * (_inverse_norm(q) * np.float32(heads.key_dim**-0.5))[:, None]
+    readout = np.einsum("hkv,hk->hv", state, q_scaled.astype(np.float32), dtype=np.float32)
+    return state, delta, readout
+
+
+def _requests(input_row_offsets: NDArray) -> list[tuple[int, int, int]]:
+    offsets = [int(x) for x in np.asarray(input_row_offsets)]
+    return [(b, offsets[b], offsets[b + 1]) for b in range(len(offsets) - 1)]
+
+
+def recurrence_fwd(
+    qkv: NDArray,
+    decay: NDArray,
+    beta: NDArray,
+    recurrent_state: NDArray,
+    slot_idx: NDArray,
+    input_row_offsets: NDArray,
+    *,
+    num_key_heads: int,
+) -> F32:
+    """Runs the recurrence over a ragged batch and commits the pool in place.
+
+    Args:
+        qkv: ``[T, 2*nk*K + nv*V]`` float32, q, k and v of every token.
+        decay: ``[T, nv]`` float32 decays, already exp'd.
+        beta: ``[T, nv]`` float32 gates.
+        recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool, updated in place.
+        slot_idx: ``[B]`` pool row of each request.
+        input_row_offsets: ``[B+1]`` token offsets of the requests.
+        num_key_heads: nk.
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+    """
+    _, nv, kd, vd = recurrent_state.shape
+    heads = HeadShape(num_key_heads, nv, kd, vd)
+    readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
+    for b, start, end in _requests(input_row_offsets):
+        row = int(slot_idx[b])
+        state = _widen(recurrent_state[row])
+        for t in range(start, end):
+            q, k, v = heads.split(qkv[t])
+            state, _, out = _token_step(state, q, k, v, decay[t], beta[t], heads)
+            readout[t] = out.reshape(-1)
+        recurrent_state[row] = _narrow_like(state, recurrent_state)
+    return readout
+
+
+def verify_ring(
+    qkv: NDArray,
+    decay: NDArray,
+    beta: NDArray,
+    recurrent_state: NDArray,
+    ring: NDArray,
+    slot_idx: NDArray,
+    ring_slot_idx: NDArray,
+    input_row_offsets: NDArray,
+) -> F32:
+    """Runs the recurrence over each request's verify window, recording into the ring.
+
+    Token ``i`` of request ``b``'s window writes record ``i`` of ring row
+    ``ring_slot_idx[b]``; the pool is not written. A window longer than the ring's
+    RING_LEN cannot be recorded: that request commits the pool itself, as a plain
+    forward would, and writes no record.
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+    """
+    _, nv, kd, vd = recurrent_state.shape
+    _, nk, ring_len, _ = ring.shape
+    heads = HeadShape(nk, nv, kd, vd)
+    layout = RecordLayout(kd, vd, heads.group_size)
+    deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
+    readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
+    for b, start, end in _requests(input_row_offsets):
+        row = int(slot_idx[b])
+        state = _widen(recurrent_state[row])
+        record_row = ring[int(ring_slot_idx[b])]
+        window = end - start
+        for i, t in enumerate(range(start, end)):
+            q, k, v = heads.split(qkv[t])
+            state, delta, out = _token_step(state, q, k, v, decay[t], beta[t], heads)
+            readout[t] = out.reshape(-1)
+            if window <= ring_len:
+                record = record_row[:, i]  # [nk, stride]
+                record[:, :kd] = k[:: heads.group_size]
+                record[:, deltas_at : deltas_at + heads.group_size * vd] = delta.reshape(nk, -1)
+                record[:, decays_at : decays_at + heads.group_size] = np.asarray(
+                    decay[t], np.float32
+                ).reshape(nk, -1)
+        if window > ring_len:
+            recurrent_state[row] = _narrow_like(state, recurrent_state)
+    return readout
+
+
+def fold_records(state: NDArray, keys: NDArray, deltas: NDArray, decays: NDArray) -> F32:
+    """Applies records to one fp32 ``[nv, K, V]`` state: ``S = fma(k, u, S * d)`` in order.
+
+    Args:
+        state: ``[nv, K, V]`` float32.
+        keys: ``[n, nv, K]``; deltas: ``[n, nv, V]``; decays: ``[n, nv]`` float32.
+    """
+    state = _widen(state)
+    for t in range(keys.shape[0]):
+        decayed = (state * np.asarray(decays[t], np.float32)[:, None, None]).astype(np.float32)
+        state = fma_f32(keys[t][:, :, None], deltas[t][:, None, :], decayed)
+    return state
+
+
+def fold(
+    recurrent_state: NDArray,
+    ring: NDArray,
+    row_ids: NDArray,
+    ring_row_ids: NDArray,
+    num_accepted: NDArray,
+) -> NDArray:
+    """Folds the first ``num_accepted[b]`` records of every (layer, request), in place.
+
+    The reference twin of :func:`gdfold_max.fold`, with the same row semantics: a
+    request with 0 or more than RING_LEN accepted records is not read or written.
+    (Layer, request) pairs are applied in row-table order.
+
+    Returns:
+        ``recurrent_state``, folded.
+    """
+    _, nv, kd, vd = recurrent_state.shape
+    _, nk, ring_len, _ = ring.shape
+    group = nv // nk
+    layout = RecordLayout(kd, vd, group)
+    deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
+    row_ids = np.asarray(row_ids)
+    ring_row_ids = np.asarray(ring_row_ids)
+    for layer in range(row_ids.shape[0]):
+        for b, accepted in enumerate(int(n) for n in np.asarray(num_accepted)):
+            if accepted == 0 or accepted > ring_len:
+                continue
+            row, ring_row = int(row_ids[layer, b]), int(ring_row_ids[layer, b])
+            records = np.asarray(ring[ring_row, :, :accepted], np.float32)  # [nk, n, stride]
+            keys = np.repeat(records[:, :, :kd], group, axis=0)  # [nv, n, K]
+            deltas = records[:, :, deltas_at : deltas_at + group * vd]
+            deltas = deltas.reshape(nk, accepted, group, vd).transpose(0, 2, 1, 3)
+            decays = records[:, :, decays_at : decays_at + group].transpose(0, 2, 1)
+            state = fold_records(
+                recurrent_state[row],
+                keys.transpose(1, 0, 2),
+                deltas.reshape(nv, accepted, vd).transpose(1, 0, 2),
+                decays.reshape(nv, accepted).T,
+            )
+            recurrent_state[row] = _narrow_like(state, recurrent_state)
+    return recurrent_state
+
+
+__all__ = [
+    "L2_EPS",
+    "HeadShape",
+    "fma_f32",
+    "fold",
+    "fold_records",
+    "recurrence_fwd",
+    "verify_ring",
+    "ml_dtypes",
+]

@@ -1,0 +1,196 @@
+"""Random fold cases, for tests, the demo and ``gdfold-max record``.
+
+Two kinds:
+
+* :func:`random_fold_case`: random records straight into a ring. Cheap, and it can
+  name counts past RING_LEN. Records past ``num_accepted[b]`` and the padding of every
+  record are NaN, so a fold that reads them poisons the state.
+* :func:`spec_decode_case`: a real verify step. The numpy reference runs each layer's
+  verify window into the ring, and ``state_out`` is the reference forward over the
+  accepted tokens alone, so a correct fold of ``state_in`` equals it bit for bit.
+
+Both return a :class:`FoldCase`, whose fields are those of a recorded case file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import NDArray
+
+from . import reference
+from .layout import RecordLayout
+
+
+@dataclass
+class FoldCase:
+    """The operands of one fold, and what the pool must hold after it."""
+
+    state_in: NDArray
+    ring: NDArray
+    row_ids: NDArray
+    ring_row_ids: NDArray
+    num_accepted: NDArray
+    state_out: NDArray
+    extras: dict[str, NDArray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def fold_operands(self) -> tuple[NDArray, NDArray, NDArray, NDArray, NDArray]:
+        """A fresh copy of the pool, and the ring and tables, ready to fold."""
+        return self.state_in.copy(), self.ring, self.row_ids, self.ring_row_ids, self.num_accepted
+
+    def save(self, path: str | Path) -> None:
+        """Writes the case in the recorded-case format (``np.load`` fields)."""
+        arrays = {
+            "state_in": self.state_in,
+            "ring": self.ring,
+            "row_ids": self.row_ids,
+            "ring_row_ids": self.ring_row_ids,
+            "num_accepted": self.num_accepted,
+            "state_out": self.state_out,
+            **self.extras,
+        }
+        np.savez_compressed(path, meta=np.array(json.dumps(self.meta)), **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> FoldCase:
+        """Reads a recorded case; a bf16 pool stored as uint16 bits comes back as bf16."""
+        with np.load(path) as data:
+            fields = {name: data[name] for name in data.files}
+        meta = json.loads(str(fields.pop("meta"))) if "meta" in fields else {}
+        if meta.get("state_dtype") == "bfloat16":
+            for name in ("state_in", "state_out"):
+                fields[name] = fields[name].view(ml_dtypes.bfloat16)
+        core = {name: fields.pop(name) for name in
+                ("state_in", "ring", "row_ids", "ring_row_ids", "num_accepted", "state_out")}
+        return cls(**core, extras=fields, meta=meta)
+
+
+def _state_dtype(name: str) -> np.dtype:
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"state_dtype: {name!r} is not 'float32' or 'bfloat16'")
+    return np.dtype(np.float32) if name == "float32" else np.dtype(ml_dtypes.bfloat16)
+
+
+def _layer_major_tables(rng: np.random.Generator, layers: int, batch: int, rows: int, ring_rows: int
+                        ) -> tuple[NDArray, NDArray]:
+    """Distinct, shuffled pool and ring rows for every (layer, request)."""
+    row_ids = rng.permutation(rows)[: layers * batch].reshape(layers, batch).astype(np.uint32)
+    ring_row_ids = rng.permutation(ring_rows)[: layers * batch].reshape(layers, batch).astype(np.uint32)
+    return row_ids, ring_row_ids
+
+
+def random_fold_case(
+    seed: int,
+    *,
+    layers: int = 2,
+    batch: int = 4,
+    num_value_heads: int = 4,
+    num_key_heads: int = 2,
+    key_dim: int = 64,
+    value_dim: int = 64,
+    ring_len: int = 4,
+    state_dtype: str = "float32",
+    num_accepted: list[int] | None = None,
+    spare_rows: int = 3,
+    stride_pad: int = 0,
+) -> FoldCase:
+    """Random records straight into a NaN-poisoned ring; ``state_out`` from the reference fold.
+
+    ``num_accepted`` defaults to counts cycling through 0, 1, RING_LEN and RING_LEN + 1.
+    The pool has ``spare_rows`` rows that no (layer, request) names.
+    """
+    rng = np.random.default_rng(seed)
+    dtype = _state_dtype(state_dtype)
+    layout = RecordLayout(key_dim, value_dim, num_value_heads // num_key_heads)
+    stride = layout.min_stride + stride_pad
+    rows = layers * batch + spare_rows
+    ring_rows = layers * batch + 1
+    if num_accepted is None:
+        cycle = [0, 1, ring_len, ring_len + 1]
+        num_accepted = [cycle[b % len(cycle)] for b in range(batch)]
+    accepted = np.asarray(num_accepted, np.uint32)
+    state = rng.standard_normal((rows, num_value_heads, key_dim, value_dim)).astype(np.float32).astype(dtype)
+    ring = np.full((ring_rows, num_key_heads, ring_len, stride), np.nan, np.float32)
+    row_ids, ring_row_ids = _layer_major_tables(rng, layers, batch, rows, ring_rows)
+    g = layout.group_size
+    for layer in range(layers):
+        for b in range(batch):
+            written = min(int(accepted[b]), ring_len)  # past RING_LEN the verify wrote none it kept
+            records = ring[ring_row_ids[layer, b], :, :written]
+            records[..., :key_dim] = rng.standard_normal((num_key_heads, written, key_dim)) * 0.3
+            deltas = layout.delta_offset(0)
+            records[..., deltas : deltas + g * value_dim] = rng.standard_normal(
+                (num_key_heads, written, g * value_dim)) * 0.3
+            decays = layout.decay_offset(0)
+            records[..., decays : decays + g] = rng.uniform(0.5, 1.0, (num_key_heads, written, g))
+    state_out = reference.fold(state.copy(), ring, row_ids, ring_row_ids, accepted)
+    meta = dict(L=layers, B=batch, nv=num_value_heads, nk=num_key_heads, K=key_dim, V=value_dim,
+                RING_LEN=ring_len, stride=stride, state_dtype=state_dtype, seed=seed,
+                source="gdfold_max.cases.random_fold_case (numpy reference fold)")
+    return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, meta=meta)
+
+
+def spec_decode_case(
+    seed: int,
+    *,
+    layers: int = 2,
+    batch: int = 4,
+    num_value_heads: int = 4,
+    num_key_heads: int = 2,
+    key_dim: int = 64,
+    value_dim: int = 64,
+    ring_len: int = 4,
+    verify_width: int = 3,
+    state_dtype: str = "float32",
+    num_accepted: list[int] | None = None,
+) -> FoldCase:
+    """A verify step run by the numpy reference, with the expected pool after the fold.
+
+    Each request verifies ``verify_width + 1`` tokens (the last accepted token and the
+    drafts) into its ring row; ``num_accepted`` (random in 0..verify_width+1 by default)
+    says how many to keep. ``state_out`` is the reference forward over the kept tokens.
+    """
+    if verify_width + 1 > ring_len:
+        raise ValueError(f"verify_width: {verify_width} + 1 tokens do not fit RING_LEN {ring_len}")
+    rng = np.random.default_rng(seed)
+    dtype = _state_dtype(state_dtype)
+    heads = reference.HeadShape(num_key_heads, num_value_heads, key_dim, value_dim)
+    layout = RecordLayout(key_dim, value_dim, heads.group_size)
+    window = verify_width + 1
+    rows, ring_rows = layers * batch + 2, layers * batch + 1
+    if num_accepted is None:
+        num_accepted = [int(n) for n in rng.integers(0, window + 1, batch)]
+    accepted = np.asarray(num_accepted, np.uint32)
+    tokens = batch * window
+    offsets = np.arange(0, tokens + 1, window, dtype=np.uint32)
+    qkv = rng.standard_normal((layers, tokens, heads.qkv_width)).astype(np.float32)
+    decay = rng.uniform(0.6, 1.0, (layers, tokens, num_value_heads)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (layers, tokens, num_value_heads)).astype(np.float32)
+    state = (rng.standard_normal((rows, num_value_heads, key_dim, value_dim)) * 0.1).astype(np.float32).astype(dtype)
+    ring = np.full((ring_rows, num_key_heads, ring_len, layout.min_stride), np.nan, np.float32)
+    row_ids, ring_row_ids = _layer_major_tables(rng, layers, batch, rows, ring_rows)
+    state_out = state.copy()
+    kept = np.concatenate([np.arange(b * window, b * window + int(accepted[b])) for b in range(batch)]).astype(int)
+    kept_offsets = np.concatenate([[0], np.cumsum(accepted)]).astype(np.uint32)
+    for layer in range(layers):
+        reference.verify_ring(qkv[layer], decay[layer], beta[layer], state, ring, row_ids[layer],
+                              ring_row_ids[layer], offsets)
+        reference.recurrence_fwd(qkv[layer][kept], decay[layer][kept], beta[layer][kept], state_out,
+                                 row_ids[layer], kept_offsets, num_key_heads=num_key_heads)
+    # Records past the accepted count stay in the ring (a fold must not read them);
+    # poison them so a fold that does is caught.
+    for layer in range(layers):
+        for b in range(batch):
+            ring[ring_row_ids[layer, b], :, int(accepted[b]):] = np.nan
+    meta = dict(L=layers, B=batch, nv=num_value_heads, nk=num_key_heads, K=key_dim, V=value_dim,
+                RING_LEN=ring_len, verify_width=verify_width, stride=layout.min_stride,
+                state_dtype=state_dtype, seed=seed,
+                source="gdfold_max.cases.spec_decode_case (numpy reference verify + forward)")
+    extras = dict(qkv=qkv, decay=decay, beta=beta, input_row_offsets=offsets)
+    return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, extras=extras, meta=meta)

@@ -1,0 +1,153 @@
+"""The ``gdfold-max`` command line (also ``python -m gdfold_max``)."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="gdfold_max: the bit-exact speculative-decoding state fold for Gated DeltaNet, on MAX.",
+                  no_args_is_help=True, add_completion=False)
+console = Console()
+
+
+class Target(str, Enum):
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """The raw bit pattern of a float32 or bfloat16 array."""
+    return array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint32)
+
+
+@app.command()
+def demo(
+    batch: int = typer.Option(2, help="Requests in the batch."),
+    state_dtype: str = typer.Option("float32", help="Pool dtype: float32 or bfloat16."),
+    device: Target = typer.Option(Target.cpu, help="Where to fold."),
+    seed: int = typer.Option(0, help="Random seed of the case."),
+) -> None:
+    """Fold a random verify step with Qwen3-Next shapes, check it bit for bit, print speed.
+
+    36 layers, nv 32, nk 16, K = V = 128, RING_LEN 4, a verify of 3 drafts. The numpy
+    reference writes the records and runs the forward over the accepted tokens alone;
+    the fold must reproduce that pool bit for bit.
+    """
+    from . import cases
+    from .eager import folder_for
+
+    console.print(f"[bold]making the case[/]: 36 layers x batch {batch}, numpy reference verify ...")
+    case = cases.spec_decode_case(seed, layers=36, batch=batch, num_value_heads=32, num_key_heads=16,
+                                  key_dim=128, value_dim=128, ring_len=4, verify_width=3, state_dtype=state_dtype)
+    folder = folder_for(device.value)
+    state, ring, row_ids, ring_row_ids, accepted = case.fold_operands()
+    start = time.perf_counter()
+    folder.fold(state, ring, row_ids, ring_row_ids, accepted)  # compiles on first use
+    first = time.perf_counter() - start
+    exact = np.array_equal(_bits(state), _bits(case.state_out))
+    timed = case.state_in.copy()
+    start = time.perf_counter()
+    folder.fold(timed, ring, row_ids, ring_row_ids, accepted)
+    seconds = time.perf_counter() - start
+    active = int(np.count_nonzero((accepted > 0) & (accepted <= ring.shape[2])))
+    moved = 2 * active * 36 * state[0].nbytes
+    console.print(f"num_accepted = {accepted.tolist()}  ({active} of {batch} requests fold)")
+    console.print(f"first call (compile + fold): {first:.1f} s")
+    console.print(f"fold: {seconds * 1e3:.2f} ms, {moved / seconds / 1e9:.2f} GB/s of state read+write "
+                  "(one eager call, host-side checks included)")
+    console.print("[green]bit-exact against the reference forward over the accepted tokens[/]" if exact
+                  else "[red]MISMATCH against the reference[/]")
+    raise typer.Exit(0 if exact else 1)
+
+
+@app.command()
+def check(
+    path: Path = typer.Argument(..., exists=True, dir_okay=False, help="A recorded case (.npz)."),
+    device: Target = typer.Option(Target.cpu, help="Where to fold."),
+) -> None:
+    """Fold a recorded case and compare every (layer, request) row with state_out, bit for bit.
+
+    Exits 0 only when every row matches.
+    """
+    from .cases import FoldCase
+    from .eager import folder_for
+
+    case = FoldCase.load(path)
+    state, ring, row_ids, ring_row_ids, accepted = case.fold_operands()
+    folder_for(device.value).fold(state, ring, row_ids, ring_row_ids, accepted)
+    table = Table(title=f"{path.name} on {device.value}")
+    for column in ("layer", "request", "row", "accepted", "match", "elements differing", "largest difference"):
+        table.add_column(column, justify="right")
+    all_match = True
+    for layer in range(row_ids.shape[0]):
+        for b in range(row_ids.shape[1]):
+            row = int(row_ids[layer, b])
+            got, want = state[row], case.state_out[row]
+            differ = _bits(got) != _bits(want)
+            count = int(np.count_nonzero(differ))
+            largest = float(np.nanmax(np.abs(got.astype(np.float64) - want.astype(np.float64)))) if count else 0.0
+            all_match &= count == 0
+            table.add_row(str(layer), str(b), str(row), str(int(accepted[b])),
+                          "[green]yes[/]" if count == 0 else "[red]no[/]", str(count), f"{largest:.3g}")
+    untouched = np.setdiff1d(np.arange(state.shape[0]), row_ids.reshape(-1))
+    others_ok = np.array_equal(_bits(state[untouched]), _bits(case.state_out[untouched]))
+    all_match &= others_ok
+    console.print(table)
+    console.print(f"rows no (layer, request) names: {'unchanged' if others_ok else '[red]CHANGED[/]'}")
+    console.print("[green]all rows match bit for bit[/]" if all_match else "[red]mismatch[/]")
+    raise typer.Exit(0 if all_match else 1)
+
+
+@app.command()
+def record(
+    output: Path = typer.Argument(..., dir_okay=False, help="Where to write the case (.npz)."),
+    layers: int = typer.Option(2), batch: int = typer.Option(4),
+    num_value_heads: int = typer.Option(4, "--nv"), num_key_heads: int = typer.Option(2, "--nk"),
+    key_dim: int = typer.Option(64, "--k"), value_dim: int = typer.Option(64, "--v"),
+    ring_len: int = typer.Option(4), verify_width: int = typer.Option(3),
+    state_dtype: str = typer.Option("float32"), seed: int = typer.Option(0),
+) -> None:
+    """Write a recorded case made by the numpy reference (verify, then forward over the kept tokens)."""
+    from . import cases
+
+    case = cases.spec_decode_case(seed, layers=layers, batch=batch, num_value_heads=num_value_heads,
+                                  num_key_heads=num_key_heads, key_dim=key_dim, value_dim=value_dim,
+                                  ring_len=ring_len, verify_width=verify_width, state_dtype=state_dtype)
+    if state_dtype == "bfloat16":  # npz keeps bf16 as its uint16 bits
+        case.state_in, case.state_out = case.state_in.view(np.uint16), case.state_out.view(np.uint16)
+    case.save(output)
+    console.print(f"wrote {output} (num_accepted {case.num_accepted.tolist()})")
+
+
+@app.command()
+def bench(
+    batches: str = typer.Option("1,8,64,256", help="Comma-separated batch sizes (CPU default: 1,8)."),
+    dtypes: str = typer.Option("float32,bfloat16", help="State dtypes."),
+    chain: int = typer.Option(8, help="Folds chained in the long graph."),
+    repeats: int = typer.Option(5, help="Timed runs per graph; the best counts."),
+    json_out: Path = typer.Option(Path("bench-results.json"), "--json", help="Where to write the table as JSON."),
+) -> None:
+    """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
+    from max.driver import accelerator_count
+    from max.dtype import DType
+
+    from .bench import render, run_bench, write_json
+
+    batch_list = [int(b) for b in batches.split(",")]
+    if accelerator_count() == 0 and batches == "1,8,64,256":
+        batch_list = [1, 8]
+    dtype_list = [DType.float32 if d == "float32" else DType.bfloat16 for d in dtypes.split(",")]
+    rows = run_bench(batch_list, dtype_list, chain=chain, repeats=repeats, console=console)
+    render(rows, console)
+    write_json(rows, str(json_out))
+    console.print(f"wrote {json_out}")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,47 @@
+"""Shared fixtures: one compiled fold per static shape for the whole session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from max.driver import accelerator_count
+
+from gdfold_max import StateFolder, folder_for
+
+CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
+
+
+def has_accelerator() -> bool:
+    return accelerator_count() > 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if has_accelerator():
+        return
+    skip = pytest.mark.skip(reason="needs an accelerator")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cpu_folder() -> StateFolder:
+    return folder_for("cpu")
+
+
+@pytest.fixture(scope="session")
+def gpu_folder() -> StateFolder:
+    return folder_for("gpu")
+
+
+def bits(array: np.ndarray) -> np.ndarray:
+    """The raw bit pattern of a float32 or bfloat16 array, for exact comparison."""
+    return np.asarray(array).view(np.uint16 if array.dtype.itemsize == 2 else np.uint32)
+
+
+def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str = "pool") -> None:
+    differ = bits(got) != bits(want)
+    count = int(np.count_nonzero(differ))
+    assert count == 0, f"{what}: {count} of {differ.size} elements differ in their bits"

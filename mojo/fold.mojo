@@ -12,12 +12,12 @@ from max.gpu.host import DeviceContext
 from std.utils import IndexList
 
 from .fold_cpu import fold_cpu
-from .fold_gpu import ROWS_PER_THREAD, fold_block_threads, fold_gpu_kernel
+from .fold_gpu import RECORD_VEC, fold_block_threads, fold_gpu_kernel
 from .record_layout import record_elements
 
 
 def check_shapes[
-    K: Int, V: Int, RING_LEN: Int, KEY_DIM_TILE: Int
+    K: Int, V: Int, RING_LEN: Int, KEY_DIM_TILE: Int, ROWS_PER_THREAD: Int
 ](
     state_dims: IndexList[4],
     ring_dims: IndexList[4],
@@ -31,8 +31,11 @@ def check_shapes[
     comptime assert V % 8 == 0 and 8 <= V <= 256, "V must be a multiple of 8 up to 256"
     comptime assert 1 <= RING_LEN <= 16, "RING_LEN must be in 1..16"
     comptime assert (
-        KEY_DIM_TILE % ROWS_PER_THREAD == 0 and K % KEY_DIM_TILE == 0
+        K % KEY_DIM_TILE == 0 and KEY_DIM_TILE % RECORD_VEC == 0
     ), "KEY_DIM_TILE must divide K and be a multiple of 4"
+    comptime assert (
+        ROWS_PER_THREAD >= 1 and KEY_DIM_TILE % ROWS_PER_THREAD == 0
+    ), "ROWS_PER_THREAD must divide KEY_DIM_TILE"
     if state_dims[2] != K or state_dims[3] != V:
         raise Error(
             t"recurrent_state: expected [rows, nv, {K}, {V}], got last dims"
@@ -52,6 +55,11 @@ def check_shapes[
         raise Error(
             t"ring: record stride {ring_dims[3]} is smaller than K + G*(V+1) ="
             t" {needed}"
+        )
+    if ring_dims[3] % RECORD_VEC != 0:
+        raise Error(
+            t"ring: record stride {ring_dims[3]} is not a multiple of"
+            t" {RECORD_VEC} floats (16 bytes)"
         )
     if row_ids_dims != ring_row_ids_dims:
         raise Error(
@@ -90,6 +98,7 @@ struct StateFold:
         V: Int,
         RING_LEN: Int,
         KEY_DIM_TILE: Int,
+        ROWS_PER_THREAD: Int,
     ](
         recurrent_state: _MutableInputTensor[rank=4, ...],
         ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
@@ -102,7 +111,7 @@ struct StateFold:
         comptime assert (
             state_dtype == DType.float32 or state_dtype == DType.bfloat16
         ), "recurrent_state must be float32 or bfloat16"
-        check_shapes[K, V, RING_LEN, KEY_DIM_TILE](
+        check_shapes[K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD](
             recurrent_state.shape(),
             ring.shape(),
             row_ids.shape(),
@@ -142,7 +151,7 @@ struct StateFold:
             )
         elif target == "gpu":
             comptime kernel = fold_gpu_kernel[
-                state_dtype, K, V, RING_LEN, KEY_DIM_TILE
+                state_dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD
             ]
             ctx.enqueue_function[kernel](
                 recurrent_state.unsafe_ptr(),
@@ -157,7 +166,9 @@ struct StateFold:
                 Int32(num_key_heads),
                 Int32(record_stride),
                 grid_dim=(num_value_heads * (K // KEY_DIM_TILE), batch, num_layers),
-                block_dim=fold_block_threads[state_dtype, V, KEY_DIM_TILE](),
+                block_dim=fold_block_threads[
+                    state_dtype, V, KEY_DIM_TILE, ROWS_PER_THREAD
+                ](),
             )
         else:
             raise Error(t"gdfold_state_fold: unsupported target {target}")

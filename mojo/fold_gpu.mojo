@@ -2,20 +2,22 @@
 
 Grid: x = (value head, key tile), y = request, z = layer. A block owns a tile of
 KEY_DIM_TILE key rows of one value head's [K, V] state block. Each thread holds
-ROWS_PER_THREAD rows of one 16-byte column vector in registers: it issues all its
-state loads first, the block stages the accepted records in shared memory once, then
-each thread applies the records in order and stores each vector once.
+ROWS_PER_THREAD rows of one 16-byte column vector in registers. A thread first issues
+all its state loads, then the block stages the accepted records' slices (keys of the
+tile, the head's delta rows and decays) in shared memory once, with 16-byte loads
+unrolled at compile time so none waits on another. Then each thread applies the
+records in order and stores each vector once.
 """
 
 from max.gpu import barrier, block_idx, thread_idx
-from std.math import fma
+from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 
 from .record_layout import decay_offset, delta_offset, key_offset
 
-# Rows of the key tile each thread keeps in registers.
-comptime ROWS_PER_THREAD = 4
+# Floats per 16-byte record load. Record strides and K, V are multiples of 4 floats.
+comptime RECORD_VEC = 4
 
 
 def state_vector_width[state_dtype: DType]() -> Int:
@@ -23,15 +25,52 @@ def state_vector_width[state_dtype: DType]() -> Int:
     return 16 // size_of[state_dtype]()
 
 
-def fold_block_threads[state_dtype: DType, V: Int, KEY_DIM_TILE: Int]() -> Int:
+def fold_block_threads[
+    state_dtype: DType, V: Int, KEY_DIM_TILE: Int, ROWS_PER_THREAD: Int
+]() -> Int:
     """Threads of one block: the column vectors of a row times the row groups."""
     return (V // state_vector_width[state_dtype]()) * (
         KEY_DIM_TILE // ROWS_PER_THREAD
     )
 
 
+@always_inline
+def stage_vectors[
+    COUNT: Int, THREADS: Int
+](
+    dst: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    record_base: Int,
+    record_stride: Int,
+    field_at: Int,
+    field_len: Int,
+    accepted: Int,
+    tid: Int,
+):
+    """Copies `field_len` floats at `field_at` of each accepted record to shared memory.
+
+    COUNT bounds the 16-byte vectors over every possible record; the loop is unrolled
+    so that every load a thread makes is in flight at once.
+    """
+    var vectors_per_record = field_len // RECORD_VEC
+    comptime for s in range(ceildiv(COUNT, THREADS)):
+        var v = tid + s * THREADS
+        if v < accepted * vectors_per_record:
+            var t = v // vectors_per_record
+            var within = (v % vectors_per_record) * RECORD_VEC
+            var value = ring.unsafe_load[width=RECORD_VEC, alignment=16](
+                record_base + t * record_stride + field_at + within
+            )
+            dst.unsafe_store[alignment=16](t * field_len + within, value)
+
+
 def fold_gpu_kernel[
-    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, KEY_DIM_TILE: Int
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    KEY_DIM_TILE: Int,
+    ROWS_PER_THREAD: Int,
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, ImmutAnyOrigin],
@@ -47,8 +86,6 @@ def fold_gpu_kernel[
 ):
     # Sizes cross to the device as Int32; offsets are computed in Int (64-bit).
     var batch = Int(batch_i32)
-    var num_rows = Int(num_rows_i32)
-    var num_ring_rows = Int(num_ring_rows_i32)
     var num_value_heads = Int(num_value_heads_i32)
     var num_key_heads = Int(num_key_heads_i32)
     var record_stride = Int(record_stride_i32)
@@ -70,7 +107,7 @@ def fold_gpu_kernel[
     var row = Int(row_ids[unsafe_offset=pair])
     var ring_row = Int(ring_row_ids[unsafe_offset=pair])
     # Ids inside a graph are trusted for speed but never followed out of bounds.
-    if row >= num_rows or ring_row >= num_ring_rows:
+    if row >= Int(num_rows_i32) or ring_row >= Int(num_ring_rows_i32):
         return
 
     var tid = Int(thread_idx.x)
@@ -97,7 +134,10 @@ def fold_gpu_kernel[
         (ring_row * num_key_heads + key_head) * RING_LEN * record_stride
     )
     var keys = stack_allocation[
-        RING_LEN * KEY_DIM_TILE, DType.float32, address_space=AddressSpace.SHARED
+        RING_LEN * KEY_DIM_TILE,
+        DType.float32,
+        alignment=16,
+        address_space=AddressSpace.SHARED,
     ]()
     var deltas = stack_allocation[
         RING_LEN * V,
@@ -108,19 +148,19 @@ def fold_gpu_kernel[
     var decays = stack_allocation[
         RING_LEN, DType.float32, address_space=AddressSpace.SHARED
     ]()
-    var delta_at = delta_offset[K, V](group_slot)
-    var decay_at = decay_offset[K, V](group_size, group_slot)
-    for idx in range(tid, accepted * KEY_DIM_TILE, THREADS):
-        var t = idx // KEY_DIM_TILE
-        keys[unsafe_offset=idx] = ring[unsafe_offset=
-            record_base + t * record_stride + key_offset() + tile_base
-            + idx % KEY_DIM_TILE
-        ]
-    for idx in range(tid, accepted * V, THREADS):
-        var t = idx // V
-        deltas[unsafe_offset=idx] = ring[unsafe_offset=record_base + t * record_stride + delta_at + idx % V]
+    stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS](
+        keys, ring, record_base, record_stride, key_offset() + tile_base,
+        KEY_DIM_TILE, accepted, tid,
+    )
+    stage_vectors[RING_LEN * V // RECORD_VEC, THREADS](
+        deltas, ring, record_base, record_stride, delta_offset[K, V](group_slot),
+        V, accepted, tid,
+    )
     if tid < accepted:
-        decays[unsafe_offset=tid] = ring[unsafe_offset=record_base + tid * record_stride + decay_at]
+        decays[unsafe_offset=tid] = ring[unsafe_offset=
+            record_base + tid * record_stride
+            + decay_offset[K, V](group_size, group_slot)
+        ]
     barrier()
 
     # 3. Apply the records in order, in registers: decay (rounded), then one fma.
@@ -128,7 +168,9 @@ def fold_gpu_kernel[
         var decay = decays[unsafe_offset=t]
         var delta = deltas.unsafe_load[width=VEC, alignment=16](t * V + column)
         comptime for m in range(ROWS_PER_THREAD):
-            var key = keys[unsafe_offset=t * KEY_DIM_TILE + row_group + m * ROW_THREADS]
+            var key = keys[
+                unsafe_offset=t * KEY_DIM_TILE + row_group + m * ROW_THREADS
+            ]
             held[m] = fma(SIMD[DType.float32, VEC](key), delta, held[m] * decay)
 
     # 4. Store each vector once, rounded to the pool's dtype.

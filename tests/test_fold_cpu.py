@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
-from conftest import CONFORMANCE_DIR, assert_bits_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
+from conftest import CONFORMANCE_DIR, assert_bits_equal
 from gdfold_max import StateFolder, reference
 from gdfold_max.cases import FoldCase, random_fold_case
 

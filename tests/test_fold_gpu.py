@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
-from conftest import CONFORMANCE_DIR, assert_bits_equal
 from max.driver import CPU, Buffer
 
+from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
+from conftest import CONFORMANCE_DIR, assert_bits_equal
 from gdfold_max import StateFolder, reference
 from gdfold_max.cases import FoldCase
 from gdfold_max.eager import validate_fold

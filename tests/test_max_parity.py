@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_bits_equal
 
+from conftest import assert_bits_equal
 from gdfold_max import reference
 from gdfold_max.layout import RecordLayout
 

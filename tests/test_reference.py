@@ -6,10 +6,10 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import CONFORMANCE_DIR, assert_bits_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import CONFORMANCE_DIR, assert_bits_equal
 from gdfold_max import reference
 from gdfold_max.cases import FoldCase, spec_decode_case
 from gdfold_max.layout import RecordLayout

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -25,6 +26,9 @@ from rich.table import Table
 
 from .graph import kernels_path, state_fold
 from .layout import RecordLayout
+
+#: GPU tiling keywords of :func:`state_fold` (``key_dim_tile``, ``rows_per_thread``).
+Tiling = dict[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,10 @@ def best_seconds(run: Callable[[], None], repeats: int) -> float:
 class FoldGraphs:
     """Compiled graphs of 1 and R chained folds, ours or MAX's, on one device."""
 
-    def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int) -> None:
+    def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int,
+                 tiling: Tiling = None) -> None:
         self.session, self.device, self.shape, self.chain = session, device, shape, chain
+        self.tiling = tiling or {}
         self._models: dict[tuple[str, DType, int], Model] = {}
 
     def model(self, impl: str, state_dtype: DType, repeats: int) -> Model:
@@ -97,6 +103,13 @@ class FoldGraphs:
         if key not in self._models:
             self._models[key] = self.session.load(self._build(impl, state_dtype, repeats))
         return self._models[key]
+
+    def compile_all(self, impls: Sequence[str], dtypes: Sequence[DType]) -> None:
+        """Compiles every graph this run needs, several at a time."""
+        keys = [(i, d, r) for i in impls for d in dtypes for r in (1, self.chain)]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            models = list(pool.map(lambda k: self.session.load(self._build(*k)), keys))
+        self._models.update(zip(keys, models, strict=True))
 
     def _build(self, impl: str, state_dtype: DType, repeats: int) -> Graph:
         s = self.shape
@@ -114,7 +127,8 @@ class FoldGraphs:
             state, ring, row_ids, ring_row_ids, accepted = graph.inputs
             for _ in range(repeats):
                 if impl == "gdfold":
-                    state_fold(state.buffer, ring.buffer, row_ids.tensor, ring_row_ids.tensor, accepted.tensor)
+                    state_fold(state.buffer, ring.buffer, row_ids.tensor, ring_row_ids.tensor, accepted.tensor,
+                               **self.tiling)
                 else:
                     from max.nn.state_space import gated_delta_state_fold, verify_width_operand
 
@@ -183,6 +197,7 @@ def run_bench(
     shape: FoldShape | None = None,
     chain: int = 8,
     repeats: int = 5,
+    tiling: Tiling = None,
     console: Console | None = None,
 ) -> list[BenchRow]:
     """Measures ours and the anchor for every (dtype, batch) and returns the rows."""
@@ -192,8 +207,10 @@ def run_bench(
         device = Accelerator() if accelerator_count() > 0 else CPU()
     on_gpu = device.label != "cpu"
     session = InferenceSession(devices=[device])
-    graphs = FoldGraphs(session, device, shape, chain)
+    graphs = FoldGraphs(session, device, shape, chain, tiling)
     batches, dtypes = list(batches), list(dtypes)
+    console.print("compiling the benchmark graphs ...")
+    graphs.compile_all(["gdfold", "max"] if on_gpu else ["gdfold"], dtypes)
     rows: list[BenchRow] = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(batches) * len(dtypes))

@@ -18,8 +18,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from .graph import fold_parameters, kernels_path, state_fold
-from .layout import RecordLayout
+from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
 
 ArrayOrBuffer = Union[np.ndarray, Buffer]
 DeviceLike = Union[Device, str, None]
@@ -74,15 +73,13 @@ def _describe(name: str, value: Any, device: Device, *, writable: bool) -> _Oper
     return _Operand(name, value.shape, dtype, value)
 
 
-def _host_table(name: str, value: Any, rank: int) -> np.ndarray:
-    """A row table as a host int64 array, checked for rank, dtype and sign."""
+def _host_table(name: str, value: Any) -> np.ndarray:
+    """A row table as a host uint32 array, checked for dtype, sign and range."""
     if isinstance(value, Buffer):
         value = value.to(CPU()).to_numpy()
     table = np.asarray(value)
     if table.dtype.kind not in "iu":
         raise ValueError(f"{name}: dtype {table.dtype} is not an integer dtype")
-    if table.ndim != rank:
-        raise ValueError(f"{name}: expected rank {rank}, got rank {table.ndim} (shape {list(table.shape)})")
     if table.size and table.dtype.kind == "i" and int(table.min()) < 0:
         flat = int(np.argmax(table.reshape(-1) < 0))
         raise ValueError(f"{name}: negative id {int(table.reshape(-1)[flat])} at flat index {flat}")
@@ -119,25 +116,18 @@ def validate_fold(
     num_accepted: Any,
     device: Device,
     key_dim_tile: int | None = None,
+    rows_per_thread: int | None = None,
 ) -> FoldCall:
     """Checks every operand of a fold on the host; raises before anything is written."""
     state = _describe("recurrent_state", recurrent_state, device, writable=True)
     ring_op = _describe("ring", ring, device, writable=False)
-    parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype, key_dim_tile)
-    rows, nv, key_dim, value_dim = state.shape
-    ring_rows, nk, _, stride = ring_op.shape
-    if nk < 1 or nv % nk != 0:
-        raise ValueError(f"ring: key heads nk={nk} must divide the pool's value heads nv={nv}")
-    needed = RecordLayout(key_dim, value_dim, nv // nk).elements
-    if stride < needed:
-        raise ValueError(f"ring: record stride {stride} is smaller than K + G*(V+1) = {needed}")
-    ids = _host_table("row_ids", row_ids, 2)
-    ring_ids = _host_table("ring_row_ids", ring_row_ids, 2)
-    accepted = _host_table("num_accepted", num_accepted, 1)
-    if ids.shape != ring_ids.shape:
-        raise ValueError(f"ring_row_ids: shape {list(ring_ids.shape)} differs from row_ids {list(ids.shape)}")
-    if accepted.shape[0] != ids.shape[1]:
-        raise ValueError(f"num_accepted: length {accepted.shape[0]} differs from the batch {ids.shape[1]} of row_ids")
+    parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype, key_dim_tile,
+                                 rows_per_thread)
+    rows, ring_rows = state.shape[0], ring_op.shape[0]
+    ids = _host_table("row_ids", row_ids)
+    ring_ids = _host_table("ring_row_ids", ring_row_ids)
+    accepted = _host_table("num_accepted", num_accepted)
+    check_table_shapes(list(ids.shape), list(ring_ids.shape), list(accepted.shape))
     _check_ids("row_ids", ids, rows)
     _check_ids("ring_row_ids", ring_ids, ring_rows)
     return FoldCall(state, ring_op, ids, ring_ids, accepted, parameters)
@@ -152,6 +142,7 @@ class StateFolder:
     Args:
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
         key_dim_tile: GPU only: key rows a block keeps in registers (divides K).
+        rows_per_thread: GPU only: key rows each thread keeps (divides the tile).
 
     Example:
         >>> folder = StateFolder()          # the CPU
@@ -159,16 +150,18 @@ class StateFolder:
         'cpu'
     """
 
-    def __init__(self, device: DeviceLike = None, *, key_dim_tile: int | None = None) -> None:
+    def __init__(self, device: DeviceLike = None, *, key_dim_tile: int | None = None,
+                 rows_per_thread: int | None = None) -> None:
         self.device = resolve_device(device)
         self.key_dim_tile = key_dim_tile
+        self.rows_per_thread = rows_per_thread
         self._session = InferenceSession(devices=[self.device])
-        self._models: dict[tuple[DType, int, int, int, int], Model] = {}
+        self._models: dict[tuple[object, ...], Model] = {}
         self._lock = threading.Lock()
 
     def model(self, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled fold for these static dims, compiled on first use."""
-        key = (state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"], parameters["KEY_DIM_TILE"])
+        key = (state_dtype, *sorted(parameters.items()))
         with self._lock:
             if key not in self._models:
                 self._models[key] = self._session.load(self._build(state_dtype, parameters))
@@ -194,6 +187,7 @@ class StateFolder:
                 ring_row_ids.tensor,
                 accepted.tensor,
                 key_dim_tile=parameters["KEY_DIM_TILE"],
+                rows_per_thread=parameters["ROWS_PER_THREAD"],
             )
             graph.output()
         return graph
@@ -218,7 +212,8 @@ class StateFolder:
         Raises:
             TypeError, ValueError: naming the bad argument; nothing is written.
         """
-        call = validate_fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, self.device, self.key_dim_tile)
+        call = validate_fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, self.device,
+                             self.key_dim_tile, self.rows_per_thread)
         if call.row_ids.size == 0:
             return recurrent_state
         model = self.model(call.state.dtype, call.parameters)

@@ -5,6 +5,7 @@ A graph that calls these must be built with ``custom_extensions=[kernels_path()]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -64,12 +65,20 @@ def default_key_dim_tile(key_dim: int) -> int:
     return 32 if key_dim % 32 == 0 else 8
 
 
+#: Key rows each GPU thread keeps in registers (divides the key tile).
+DEFAULT_ROWS_PER_THREAD = 4
+
+#: Record strides are whole multiples of this many floats, so records load 16 bytes at a time.
+RECORD_VECTOR = 4
+
+
 def fold_parameters(
     state_shape: list[Dim] | list[int],
     state_dtype: DType,
     ring_shape: list[Dim] | list[int],
     ring_dtype: DType,
     key_dim_tile: int | None = None,
+    rows_per_thread: int | None = None,
 ) -> dict[str, int]:
     """Checks static pool and ring shapes and returns the op's compile-time parameters.
 
@@ -100,10 +109,15 @@ def fold_parameters(
         needed = RecordLayout(key_dim, value_dim, nv // nk).elements
         if stride is not None and stride < needed:
             raise ValueError(f"ring: record stride {stride} is smaller than K + G*(V+1) = {needed}")
+    if stride is not None and stride % RECORD_VECTOR != 0:
+        raise ValueError(f"ring: record stride {stride} is not a multiple of {RECORD_VECTOR} floats (16 bytes)")
     tile = default_key_dim_tile(key_dim) if key_dim_tile is None else key_dim_tile
-    if tile % 4 != 0 or key_dim % tile != 0:
+    if tile < 4 or tile % 4 != 0 or key_dim % tile != 0:
         raise ValueError(f"key_dim_tile: {tile} must be a multiple of 4 that divides K={key_dim}")
-    return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len, "KEY_DIM_TILE": tile}
+    rows = DEFAULT_ROWS_PER_THREAD if rows_per_thread is None else rows_per_thread
+    if rows < 1 or tile % rows != 0:
+        raise ValueError(f"rows_per_thread: {rows} must divide key_dim_tile={tile}")
+    return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len, "KEY_DIM_TILE": tile, "ROWS_PER_THREAD": rows}
 
 
 def _row_table(name: str, value: TensorValue) -> TensorValue:
@@ -112,20 +126,25 @@ def _row_table(name: str, value: TensorValue) -> TensorValue:
     return value if value.type.dtype == DType.uint32 else value.cast(DType.uint32)
 
 
-def _check_tables(row_ids: TensorValue, ring_row_ids: TensorValue, num_accepted: TensorValue) -> None:
-    if row_ids.rank != 2:
-        raise ValueError(f"row_ids: expected rank 2 [num_layers, batch], got rank {row_ids.rank}")
-    if ring_row_ids.rank != 2:
-        raise ValueError(f"ring_row_ids: expected rank 2 [num_layers, batch], got rank {ring_row_ids.rank}")
-    if num_accepted.rank != 1:
-        raise ValueError(f"num_accepted: expected rank 1 [batch], got rank {num_accepted.rank}")
+def check_table_shapes(
+    row_ids: Sequence[Dim | int], ring_row_ids: Sequence[Dim | int], num_accepted: Sequence[Dim | int]
+) -> None:
+    """Checks the row tables' ranks, and that their known sizes agree.
+
+    Raises:
+        ValueError: naming the table, its shape and what was expected.
+    """
+    if len(row_ids) != 2:
+        raise ValueError(f"row_ids: expected rank 2 [num_layers, batch], got shape {list(row_ids)}")
+    if len(ring_row_ids) != 2:
+        raise ValueError(f"ring_row_ids: expected rank 2 [num_layers, batch], got shape {list(ring_row_ids)}")
+    if len(num_accepted) != 1:
+        raise ValueError(f"num_accepted: expected rank 1 [batch], got shape {list(num_accepted)}")
     for axis in range(2):
-        a, b = _static(row_ids.shape[axis]), _static(ring_row_ids.shape[axis])
+        a, b = _static(row_ids[axis]), _static(ring_row_ids[axis])
         if a is not None and b is not None and a != b:
-            raise ValueError(
-                f"ring_row_ids: shape {list(ring_row_ids.shape)} differs from row_ids {list(row_ids.shape)}"
-            )
-    batch, count = _static(row_ids.shape[1]), _static(num_accepted.shape[0])
+            raise ValueError(f"ring_row_ids: shape {list(ring_row_ids)} differs from row_ids {list(row_ids)}")
+    batch, count = _static(row_ids[1]), _static(num_accepted[0])
     if batch is not None and count is not None and batch != count:
         raise ValueError(f"num_accepted: length {count} differs from the batch {batch} of row_ids")
 
@@ -139,6 +158,7 @@ def state_fold(
     verify_width: TensorValue | None = None,
     *,
     key_dim_tile: int | None = None,
+    rows_per_thread: int | None = None,
 ) -> None:
     """Folds the accepted ring records into the live state pool, for all layers at once.
 
@@ -153,14 +173,17 @@ def state_fold(
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 buffer, folded in place.
             K and V static, multiples of 8 up to 256.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 buffer; RING_LEN static in
-            1..16; ``stride >= K + G*(V+1)`` with ``G = nv // nk``.
+            1..16; ``stride >= K + G*(V+1)`` with ``G = nv // nk``, a multiple of 4.
         row_ids: ``[num_layers, batch]`` integer pool rows (cast to uint32).
         ring_row_ids: ``[num_layers, batch]`` integer ring rows (cast to uint32).
         num_accepted: ``[batch]`` integer count of records to fold per request. 0 and
             counts past RING_LEN leave the request's rows unread and unwritten.
         verify_width: optional, as MAX's ``verify_width_operand``; when its static
             length is 0 the verify wrote no records and nothing is added to the graph.
-        key_dim_tile: GPU only: key rows a block keeps in registers (divides K).
+        key_dim_tile: GPU only: key rows a block keeps in registers (divides K;
+            default 32, or 8 where 32 does not divide K).
+        rows_per_thread: GPU only: key rows each thread keeps (divides the tile;
+            default 4).
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, naming
@@ -191,8 +214,9 @@ def state_fold(
         list(ring.shape),
         ring.dtype,
         key_dim_tile,
+        rows_per_thread,
     )
-    _check_tables(row_ids, ring_row_ids, num_accepted)
+    check_table_shapes(list(row_ids.shape), list(ring_row_ids.shape), list(num_accepted.shape))
     ops.inplace_custom(
         FOLD_OP_NAME,
         recurrent_state.device,

@@ -1,0 +1,56 @@
+"""Sweeps the GPU fold's tiling (KEY_DIM_TILE, ROWS_PER_THREAD) on Qwen3-Next shapes.
+
+Usage: python bench/tune_tiles.py [--batches 1,64] [--json out.json]
+Every candidate is timed the way the benchmark times a fold (R chained folds against
+one), on the same pool, in one process; the default tiling is the first row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from max.driver import Accelerator
+from max.dtype import DType
+from max.engine import InferenceSession
+
+from gdfold_max.bench import FoldGraphs, FoldShape, make_operands
+
+CANDIDATES = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (16, 4), (128, 16)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--chain", type=int, default=8)
+    args = parser.parse_args()
+    device = Accelerator()
+    session = InferenceSession(devices=[device])
+    shape = FoldShape()
+    dtypes = [DType.float32, DType.bfloat16]
+    graphs = {c: FoldGraphs(session, device, shape, args.chain, {"key_dim_tile": c[0], "rows_per_thread": c[1]})
+              for c in CANDIDATES}
+    with ThreadPoolExecutor(max_workers=len(CANDIDATES)) as pool:
+        list(pool.map(lambda g: g.compile_all(["gdfold"], dtypes), graphs.values()))
+    results = []
+    for state_dtype in dtypes:
+        for batch in [int(b) for b in args.batches.split(",")]:
+            operands = make_operands(device, shape, batch, state_dtype)
+            nbytes = shape.fold_bytes(batch, state_dtype)
+            for (tile, rows), g in graphs.items():
+                seconds = g.per_fold_seconds("gdfold", state_dtype, operands, repeats=7)
+                row = dict(dtype=state_dtype.name, batch=batch, key_dim_tile=tile, rows_per_thread=rows,
+                           us=seconds * 1e6, tb_s=nbytes / seconds / 1e12)
+                results.append(row)
+                print(f"{row['dtype']:>9} batch {batch:>4} tile {tile:>3} rows {rows:>2}: "
+                      f"{row['us']:9.1f} us  {row['tb_s']:.3f} TB/s", flush=True)
+            del operands
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

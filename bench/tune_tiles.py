@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 from max.driver import Accelerator
 from max.dtype import DType
@@ -32,8 +31,8 @@ def main() -> None:
     dtypes = [DType.float32, DType.bfloat16]
     graphs = {c: FoldGraphs(session, device, shape, args.chain, {"key_dim_tile": c[0], "rows_per_thread": c[1]})
               for c in CANDIDATES}
-    with ThreadPoolExecutor(max_workers=len(CANDIDATES)) as pool:
-        list(pool.map(lambda g: g.compile_all(["gdfold"], dtypes), graphs.values()))
+    for g in graphs.values():
+        g.compile_all(["gdfold"], dtypes)
     results = []
     for state_dtype in dtypes:
         for batch in [int(b) for b in args.batches.split(",")]:

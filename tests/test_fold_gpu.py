@@ -42,12 +42,12 @@ def test_gpu_reproduces_recorded_max_case(gpu_folder: StateFolder) -> None:
 
 
 def test_gpu_key_dim_tiles_agree() -> None:
-    """Every KEY_DIM_TILE the kernel may be built with folds the same bits."""
+    """Other tilings than the default fold the same bits."""
     case = matrix_case("fp32-K128-G1-R8")
-    for tile in (16, 128):
+    for tile, rows in ((16, 4), (128, 16), (32, 2)):
         state, *rest = case.fold_operands()
-        StateFolder("gpu", key_dim_tile=tile).fold(state, *rest)
-        assert_bits_equal(state, case.state_out, f"KEY_DIM_TILE {tile}")
+        StateFolder("gpu", key_dim_tile=tile, rows_per_thread=rows).fold(state, *rest)
+        assert_bits_equal(state, case.state_out, f"KEY_DIM_TILE {tile}, ROWS_PER_THREAD {rows}")
 
 
 def test_gpu_kernel_skips_out_of_range_rows(gpu_folder: StateFolder) -> None:

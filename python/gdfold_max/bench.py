@@ -107,8 +107,9 @@ class FoldGraphs:
     def compile_all(self, impls: Sequence[str], dtypes: Sequence[DType]) -> None:
         """Compiles every graph this run needs, several at a time."""
         keys = [(i, d, r) for i in impls for d in dtypes for r in (1, self.chain)]
+        built = [self._build(*k) for k in keys]  # serially: building shares the kernel package cache
         with ThreadPoolExecutor(max_workers=4) as pool:
-            models = list(pool.map(lambda k: self.session.load(self._build(*k)), keys))
+            models = list(pool.map(self.session.load, built))
         self._models.update(zip(keys, models, strict=True))
 
     def _build(self, impl: str, state_dtype: DType, repeats: int) -> Graph:

@@ -60,13 +60,25 @@ def check_head_dim(name: str, value: int) -> None:
         raise ValueError(f"{name}: {value} is unsupported (a multiple of 8 up to {MAX_HEAD_DIM})")
 
 
-def default_key_dim_tile(key_dim: int) -> int:
-    """Rows of the key dimension a GPU block keeps in registers (divides K)."""
-    return 32 if key_dim % 32 == 0 else 8
+#: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD): the best of a
+#: sweep on an H200 at Qwen3-Next shapes (bench/tune_tiles.py; bench/tune-h200-*.txt).
+#: Both keep 128 bytes of state per thread in flight.
+PREFERRED_TILING = {DType.float32: (64, 8), DType.bfloat16: (128, 16)}
 
 
-#: Key rows each GPU thread keeps in registers (divides the key tile).
-DEFAULT_ROWS_PER_THREAD = 4
+def default_tiling(key_dim: int, state_dtype: DType) -> tuple[int, int]:
+    """The (key_dim_tile, rows_per_thread) used when the caller names none.
+
+    The preferred tile is halved until it divides K (K is a multiple of 8).
+
+    >>> default_tiling(128, DType.float32), default_tiling(96, DType.bfloat16)
+    ((64, 8), (32, 16))
+    """
+    tile, rows = PREFERRED_TILING.get(state_dtype, (64, 8))
+    while key_dim % tile != 0:
+        tile //= 2
+    return tile, min(rows, tile)
+
 
 #: Record strides are whole multiples of this many floats, so records load 16 bytes at a time.
 RECORD_VECTOR = 4
@@ -111,10 +123,11 @@ def fold_parameters(
             raise ValueError(f"ring: record stride {stride} is smaller than K + G*(V+1) = {needed}")
     if stride is not None and stride % RECORD_VECTOR != 0:
         raise ValueError(f"ring: record stride {stride} is not a multiple of {RECORD_VECTOR} floats (16 bytes)")
-    tile = default_key_dim_tile(key_dim) if key_dim_tile is None else key_dim_tile
+    default_tile, default_rows = default_tiling(key_dim, state_dtype)
+    tile = default_tile if key_dim_tile is None else key_dim_tile
     if tile < 4 or tile % 4 != 0 or key_dim % tile != 0:
         raise ValueError(f"key_dim_tile: {tile} must be a multiple of 4 that divides K={key_dim}")
-    rows = DEFAULT_ROWS_PER_THREAD if rows_per_thread is None else rows_per_thread
+    rows = min(default_rows, tile) if rows_per_thread is None else rows_per_thread
     if rows < 1 or tile % rows != 0:
         raise ValueError(f"rows_per_thread: {rows} must divide key_dim_tile={tile}")
     return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len, "KEY_DIM_TILE": tile, "ROWS_PER_THREAD": rows}
@@ -180,10 +193,9 @@ def state_fold(
             counts past RING_LEN leave the request's rows unread and unwritten.
         verify_width: optional, as MAX's ``verify_width_operand``; when its static
             length is 0 the verify wrote no records and nothing is added to the graph.
-        key_dim_tile: GPU only: key rows a block keeps in registers (divides K;
-            default 32, or 8 where 32 does not divide K).
-        rows_per_thread: GPU only: key rows each thread keeps (divides the tile;
-            default 4).
+        key_dim_tile: GPU only: key rows a block keeps in registers (divides K);
+            default from :func:`default_tiling`.
+        rows_per_thread: GPU only: key rows each thread keeps (divides the tile).
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, naming

@@ -139,6 +139,10 @@ def _row_table(name: str, value: TensorValue) -> TensorValue:
     return value if value.type.dtype == DType.uint32 else value.cast(DType.uint32)
 
 
+def _shape_text(dims: Sequence[Dim | int]) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
 def check_table_shapes(
     row_ids: Sequence[Dim | int], ring_row_ids: Sequence[Dim | int], num_accepted: Sequence[Dim | int]
 ) -> None:
@@ -148,15 +152,15 @@ def check_table_shapes(
         ValueError: naming the table, its shape and what was expected.
     """
     if len(row_ids) != 2:
-        raise ValueError(f"row_ids: expected rank 2 [num_layers, batch], got shape {list(row_ids)}")
+        raise ValueError(f"row_ids: expected rank 2 [num_layers, batch], got shape {_shape_text(row_ids)}")
     if len(ring_row_ids) != 2:
-        raise ValueError(f"ring_row_ids: expected rank 2 [num_layers, batch], got shape {list(ring_row_ids)}")
+        raise ValueError(f"ring_row_ids: expected rank 2 [num_layers, batch], got shape {_shape_text(ring_row_ids)}")
     if len(num_accepted) != 1:
-        raise ValueError(f"num_accepted: expected rank 1 [batch], got shape {list(num_accepted)}")
+        raise ValueError(f"num_accepted: expected rank 1 [batch], got shape {_shape_text(num_accepted)}")
     for axis in range(2):
         a, b = _static(row_ids[axis]), _static(ring_row_ids[axis])
         if a is not None and b is not None and a != b:
-            raise ValueError(f"ring_row_ids: shape {list(ring_row_ids)} differs from row_ids {list(row_ids)}")
+            raise ValueError(f"ring_row_ids: shape {_shape_text(ring_row_ids)} differs from row_ids {_shape_text(row_ids)}")
     batch, count = _static(row_ids[1]), _static(num_accepted[0])
     if batch is not None and count is not None and batch != count:
         raise ValueError(f"num_accepted: length {count} differs from the batch {batch} of row_ids")

@@ -1,0 +1,87 @@
+"""The graph-level API: build-time checks, the drop-in signature, verify width 0."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+from gdfold_max import kernels_path, state_fold
+from gdfold_max.graph import FOLD_OP_NAME
+
+CPU = DeviceRef.CPU()
+
+
+def _build(state=(8, 4, 64, 64), state_dtype=DType.float32, ring=(8, 2, 4, 224), ring_dtype=DType.float32,  # noqa: ANN001
+           row_ids=(3, 2), ring_row_ids=(3, 2), accepted=(2,), table_dtype=DType.uint32,
+           verify_width=None, **kwargs) -> Graph:  # noqa: ANN001, ANN003
+    inputs = [BufferType(state_dtype, list(state), CPU), BufferType(ring_dtype, list(ring), CPU),
+              TensorType(table_dtype, list(row_ids), CPU), TensorType(table_dtype, list(ring_row_ids), CPU),
+              TensorType(table_dtype, list(accepted), CPU)]
+    if verify_width is not None:
+        inputs.append(TensorType(DType.int64, [verify_width], CPU))
+    with Graph("build", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        values = [graph.inputs[0].buffer, graph.inputs[1].buffer, *[v.tensor for v in graph.inputs[2:]]]
+        state_fold(*values, **kwargs)
+        graph.output()
+    return graph
+
+
+def test_same_argument_order_as_max() -> None:
+    from max.nn.state_space import gated_delta_state_fold
+
+    ours = list(inspect.signature(state_fold).parameters)[:6]
+    theirs = list(inspect.signature(gated_delta_state_fold).parameters)
+    assert ours == theirs
+
+
+def test_builds_with_our_op_name() -> None:
+    assert FOLD_OP_NAME in str(_build())
+    assert "gated_delta_state_fold" not in str(_build())
+
+
+def test_signed_tables_are_cast_to_uint32() -> None:
+    text = str(_build(table_dtype=DType.int64))
+    assert FOLD_OP_NAME in text and "ui32" in text
+
+
+def test_symbolic_dims_are_accepted() -> None:
+    _build(state=("rows", "nv", 64, 64), ring=("ring_rows", "nk", 4, "stride"), row_ids=("L", "B"),
+           ring_row_ids=("L", "B"), accepted=("B",))
+
+
+def test_verify_width_zero_adds_nothing() -> None:
+    assert FOLD_OP_NAME not in str(_build(verify_width=0))
+    assert FOLD_OP_NAME in str(_build(verify_width=3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(state=(8, 4, 64)), r"recurrent_state: expected rank 4"),
+        (dict(ring=(8, 2, 224)), r"ring: expected rank 4"),
+        (dict(state_dtype=DType.float16), r"recurrent_state: dtype DType.float16 is unsupported"),
+        (dict(ring_dtype=DType.bfloat16), r"ring: dtype DType.bfloat16 is unsupported"),
+        (dict(state=(8, 4, 72 + 4, 64)), r"recurrent_state: K: 76 is unsupported"),
+        (dict(state=(8, 4, 64, 512)), r"recurrent_state: V: 512 is unsupported"),
+        (dict(state=(8, 4, "K", 64)), r"recurrent_state: K and V must be static"),
+        (dict(ring=(8, 2, "R", 224)), r"ring: RING_LEN must be static"),
+        (dict(ring=(8, 2, 0, 224)), r"ring: RING_LEN 0 is unsupported"),
+        (dict(ring=(8, 3, 4, 224)), r"ring: key heads nk=3 must divide the pool's value heads nv=4"),
+        (dict(ring=(8, 2, 4, 192)), r"ring: record stride 192 is smaller than K \+ G\*\(V\+1\) = 194"),
+        (dict(ring=(8, 2, 4, 226)), r"ring: record stride 226 is not a multiple of 4 floats"),
+        (dict(row_ids=(3, 2, 1)), r"row_ids: expected rank 2"),
+        (dict(ring_row_ids=(3,)), r"ring_row_ids: expected rank 2"),
+        (dict(accepted=(2, 1)), r"num_accepted: expected rank 1"),
+        (dict(ring_row_ids=(2, 2)), r"ring_row_ids: shape \[2, 2\] differs from row_ids \[3, 2\]"),
+        (dict(accepted=(3,)), r"num_accepted: length 3 differs from the batch 2 of row_ids"),
+        (dict(table_dtype=DType.float32), r"row_ids: dtype DType.float32 is not an integer dtype"),
+        (dict(key_dim_tile=24), r"key_dim_tile: 24 must be a multiple of 4 that divides K=64"),
+        (dict(key_dim_tile=32, rows_per_thread=3), r"rows_per_thread: 3 must divide key_dim_tile=32"),
+    ],
+)
+def test_bad_static_shapes_raise_at_build(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _build(**kwargs)

@@ -3,7 +3,9 @@
 from max.algorithm import sync_parallelize
 from std.math import fma
 
+from .float_env import keep_subnormals, write_float_control
 from .record_layout import decay_offset, delta_offset, key_offset
+from .state_cast import narrow, widen
 
 # Lanes per SIMD step along the value dimension. K and V are multiples of 8.
 comptime CPU_LANES = 8
@@ -46,12 +48,13 @@ def fold_cpu[
         )
         var delta_at = delta_offset[K, V](group_slot)
         var decay_at = decay_offset[K, V](group_size, group_slot)
+        var saved_control = keep_subnormals()
         for i in range(K):
             for j in range(0, V, CPU_LANES):
                 var at = state_base + i * V + j
-                var s = state.unsafe_load[width=CPU_LANES](at).cast[
-                    DType.float32
-                ]()
+                var s = widen[state_dtype, CPU_LANES](
+                    state.unsafe_load[width=CPU_LANES](at)
+                )
                 for t in range(accepted):
                     var record = record_base + t * record_stride
                     var decay = ring[unsafe_offset=record + decay_at]
@@ -63,6 +66,7 @@ def fold_cpu[
                     s = fma(
                         SIMD[DType.float32, CPU_LANES](key), delta, s * decay
                     )
-                state.unsafe_store(at, s.cast[state_dtype]())
+                state.unsafe_store(at, narrow[state_dtype, CPU_LANES](s))
+        write_float_control(saved_control)
 
     sync_parallelize(fold_one_head, num_layers * batch * num_value_heads)

@@ -96,3 +96,37 @@ def test_repeated_row_touches_no_other_row(cpu_folder: StateFolder) -> None:
     reference.fold(want, case.ring, row_ids, case.ring_row_ids, case.num_accepted)
     others = np.arange(state.shape[0]) != null_row
     assert_bits_equal(state[others], want[others], "rows other than the shared one")
+
+
+def test_bf16_pool_rounds_to_nearest_even_saturates_and_keeps_nan(cpu_folder: StateFolder) -> None:
+    """Ties, overflow to inf, subnormals and NaN at the bf16 store, against ml_dtypes' rounding."""
+    import ml_dtypes
+
+    case = matrix_case("bf16-K128-G4-R2")
+    nv, kd, vd = case.state_in.shape[1:]
+    nk, stride = case.ring.shape[1], case.ring.shape[3]
+    state = np.zeros((1, nv, kd, vd), np.float32)
+    state[...] = 1.0
+    state[..., 1::2] = 1 + 2**-7  # odd last bit: a tie rounds up; even columns (1.0) round down
+    state = state.astype(ml_dtypes.bfloat16)
+    ring = np.full((1, nk, 2, stride), np.nan, np.float32)
+    record = ring[0, :, 0]
+    record[:, :kd] = 1.0
+    deltas = np.zeros(vd, np.float32)
+    deltas[:64] = 2.0**-8  # exactly half a bf16 ulp at 1 and 2
+    deltas[64:80] = np.finfo(np.float32).max  # overflows bf16 to inf
+    deltas[80:96] = 2.0**-130  # an fp32 subnormal added to 0 after the decay below
+    deltas[96:] = np.nan
+    group = nv // nk
+    record[:, kd : kd + group * vd] = np.tile(deltas, group)
+    record[:, kd + group * vd : kd + group * vd + group] = 1.0
+    state[..., 80:96] = 0
+    folded = state.copy()
+    cpu_folder.fold(folded, ring, [[0]], [[0]], [1])
+    want = reference.fold(state.copy(), ring, [[0]], [[0]], [1])
+    as_f32 = np.asarray(folded, np.float32)
+    assert np.isnan(as_f32[..., 96:]).all()
+    assert np.isposinf(as_f32[..., 64:80]).all()
+    assert (as_f32[..., 0:64:2] == 1.0).all() and (as_f32[..., 1:64:2] == 1 + 2**-6).all()
+    assert (as_f32[..., 80:96] == 2.0**-130).all()
+    assert_bits_equal(folded[..., :96], want[..., :96])

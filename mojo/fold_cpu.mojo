@@ -2,6 +2,7 @@
 
 from max.algorithm import sync_parallelize
 from std.math import fma
+from std.memory import stack_allocation
 
 from .float_env import keep_subnormals, write_float_control
 from .record_layout import decay_offset, delta_offset, key_offset
@@ -26,6 +27,10 @@ def fold_cpu[
     record_stride: Int,
 ):
     """Folds every (layer, request, value head) block; ids were validated."""
+    # Vectors of one row processed together (V is a multiple of CPU_LANES).
+    comptime GROUP = 4 if V % (4 * CPU_LANES) == 0 else (
+        2 if V % (2 * CPU_LANES) == 0 else 1
+    )
     var group_size = num_value_heads // num_key_heads
 
     def fold_one_head(item: Int) {imm}:
@@ -46,27 +51,42 @@ def fold_cpu[
             * RING_LEN
             * record_stride
         )
+        # Copy this head's accepted records into scratch that cannot alias the pool,
+        # so the loops below keep them in cache and registers.
+        var keys = stack_allocation[RING_LEN * K, DType.float32]()
+        var deltas = stack_allocation[RING_LEN * V, DType.float32]()
+        var decays = stack_allocation[RING_LEN, DType.float32]()
         var delta_at = delta_offset[K, V](group_slot)
         var decay_at = decay_offset[K, V](group_size, group_slot)
+        for t in range(accepted):
+            var record = record_base + t * record_stride
+            decays[unsafe_offset=t] = ring[unsafe_offset=record + decay_at]
+            for i in range(0, K, CPU_LANES):
+                keys.unsafe_store(t * K + i, ring.unsafe_load[width=CPU_LANES](record + key_offset() + i))
+            for j in range(0, V, CPU_LANES):
+                deltas.unsafe_store(t * V + j, ring.unsafe_load[width=CPU_LANES](record + delta_at + j))
+
         var saved_control = keep_subnormals()
         for i in range(K):
-            for j in range(0, V, CPU_LANES):
+            for j in range(0, V, GROUP * CPU_LANES):
                 var at = state_base + i * V + j
-                var s = widen[state_dtype, CPU_LANES](
-                    state.unsafe_load[width=CPU_LANES](at)
-                )
+                # GROUP independent vectors per step, so their fma chains overlap.
+                var s = Array[SIMD[DType.float32, CPU_LANES], GROUP](uninitialized=True)
+                comptime for c in range(GROUP):
+                    s[c] = widen[state_dtype, CPU_LANES](
+                        state.unsafe_load[width=CPU_LANES](at + c * CPU_LANES)
+                    )
                 for t in range(accepted):
-                    var record = record_base + t * record_stride
-                    var decay = ring[unsafe_offset=record + decay_at]
-                    var key = ring[unsafe_offset=record + key_offset() + i]
-                    var delta = ring.unsafe_load[width=CPU_LANES](
-                        record + delta_at + j
+                    var key = SIMD[DType.float32, CPU_LANES](keys[unsafe_offset=t * K + i])
+                    var decay = decays[unsafe_offset=t]
+                    comptime for c in range(GROUP):
+                        var delta = deltas.unsafe_load[width=CPU_LANES](t * V + j + c * CPU_LANES)
+                        # The verify's order: decay, rounded, then one fused step.
+                        s[c] = fma(key, delta, s[c] * decay)
+                comptime for c in range(GROUP):
+                    state.unsafe_store(
+                        at + c * CPU_LANES, narrow[state_dtype, CPU_LANES](s[c])
                     )
-                    # The verify's order: decay, rounded, then one fused step.
-                    s = fma(
-                        SIMD[DType.float32, CPU_LANES](key), delta, s * decay
-                    )
-                state.unsafe_store(at, narrow[state_dtype, CPU_LANES](s))
         write_float_control(saved_control)
 
     sync_parallelize(fold_one_head, num_layers * batch * num_value_heads)

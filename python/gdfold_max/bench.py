@@ -251,12 +251,13 @@ def run_bench(
 def render(rows: Sequence[BenchRow], console: Console) -> None:
     """Prints the rows as a table."""
     table = Table(title="gdfold_max fold vs anchor (per fold; bandwidth = state r+w + records)")
-    for column in ("dtype", "batch", "ours µs", "ours TB/s", "anchor µs", "anchor TB/s", "speed-up", "copy TB/s",
+    for column in ("dtype", "batch", "ours µs", "ours GB/s", "anchor µs", "anchor GB/s", "speed-up", "copy GB/s",
                    "share of copy"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r.state_dtype, str(r.batch), f"{r.ours_us:.1f}", f"{r.ours_tb_s:.2f}", f"{r.anchor_us:.1f}",
-                      f"{r.anchor_tb_s:.2f}", f"{r.speedup:.2f}x", f"{r.copy_tb_s:.2f}", f"{100 * r.share_of_copy:.0f}%")
+        table.add_row(r.state_dtype, str(r.batch), f"{r.ours_us:.1f}", f"{1e3 * r.ours_tb_s:.0f}", f"{r.anchor_us:.1f}",
+                      f"{1e3 * r.anchor_tb_s:.0f}", f"{r.speedup:.2f}x", f"{1e3 * r.copy_tb_s:.0f}",
+                      f"{100 * r.share_of_copy:.0f}%")
     console.print(table)
     if rows:
         console.print(f"device: {rows[0].device}; anchor: {rows[0].anchor}")

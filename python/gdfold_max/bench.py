@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import TypeAlias
 
 import numpy as np
 from max.driver import CPU, Accelerator, Buffer, Device, accelerator_count
@@ -28,7 +29,7 @@ from .graph import kernels_path, state_fold
 from .layout import RecordLayout
 
 #: GPU tiling keywords of :func:`state_fold` (``key_dim_tile``, ``rows_per_thread``).
-Tiling = dict[str, int] | None
+Tiling: TypeAlias = dict[str, int] | None
 
 
 @dataclass(frozen=True)

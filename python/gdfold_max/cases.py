@@ -46,7 +46,8 @@ class FoldCase:
 
     def save(self, path: str | Path) -> None:
         """Writes the case in the recorded-case format (``np.load`` fields)."""
-        arrays = {
+        arrays: dict[str, Any] = {
+            "meta": np.array(json.dumps(self.meta)),
             "state_in": self.state_in,
             "ring": self.ring,
             "row_ids": self.row_ids,
@@ -55,7 +56,7 @@ class FoldCase:
             "state_out": self.state_out,
             **self.extras,
         }
-        np.savez_compressed(path, meta=np.array(json.dumps(self.meta)), **arrays)
+        np.savez_compressed(path, **arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> FoldCase:

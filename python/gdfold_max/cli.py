@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import typer
@@ -16,7 +17,7 @@ app = typer.Typer(help="gdfold_max: the bit-exact speculative-decoding state fol
 console = Console()
 
 
-class Target(str, Enum):
+class Target(StrEnum):
     cpu = "cpu"
     gpu = "gpu"
 
@@ -28,10 +29,10 @@ def _bits(array: np.ndarray) -> np.ndarray:
 
 @app.command()
 def demo(
-    batch: int = typer.Option(2, help="Requests in the batch."),
-    state_dtype: str = typer.Option("float32", help="Pool dtype: float32 or bfloat16."),
-    device: Target = typer.Option(Target.cpu, help="Where to fold."),
-    seed: int = typer.Option(0, help="Random seed of the case."),
+    batch: Annotated[int, typer.Option(help="Requests in the batch.")] = 2,
+    state_dtype: Annotated[str, typer.Option(help="Pool dtype: float32 or bfloat16.")] = "float32",
+    device: Annotated[Target, typer.Option(help="Where to fold.")] = Target.cpu,
+    seed: Annotated[int, typer.Option(help="Random seed of the case.")] = 0,
 ) -> None:
     """Fold a random verify step with Qwen3-Next shapes, check it bit for bit, print speed.
 
@@ -68,8 +69,8 @@ def demo(
 
 @app.command()
 def check(
-    path: Path = typer.Argument(..., exists=True, dir_okay=False, help="A recorded case (.npz)."),
-    device: Target = typer.Option(Target.cpu, help="Where to fold."),
+    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A recorded case (.npz).")],
+    device: Annotated[Target, typer.Option(help="Where to fold.")] = Target.cpu,
 ) -> None:
     """Fold a recorded case and compare every (layer, request) row with state_out, bit for bit.
 
@@ -106,12 +107,17 @@ def check(
 
 @app.command()
 def record(
-    output: Path = typer.Argument(..., dir_okay=False, help="Where to write the case (.npz)."),
-    layers: int = typer.Option(2), batch: int = typer.Option(4),
-    num_value_heads: int = typer.Option(4, "--nv"), num_key_heads: int = typer.Option(2, "--nk"),
-    key_dim: int = typer.Option(64, "--k"), value_dim: int = typer.Option(64, "--v"),
-    ring_len: int = typer.Option(4), verify_width: int = typer.Option(3),
-    state_dtype: str = typer.Option("float32"), seed: int = typer.Option(0),
+    output: Annotated[Path, typer.Argument(dir_okay=False, help="Where to write the case (.npz).")],
+    layers: Annotated[int, typer.Option(help="Gated-delta layers.")] = 2,
+    batch: Annotated[int, typer.Option(help="Requests.")] = 4,
+    num_value_heads: Annotated[int, typer.Option("--nv", help="Value heads.")] = 4,
+    num_key_heads: Annotated[int, typer.Option("--nk", help="Key heads.")] = 2,
+    key_dim: Annotated[int, typer.Option("--k", help="Key head dim K.")] = 64,
+    value_dim: Annotated[int, typer.Option("--v", help="Value head dim V.")] = 64,
+    ring_len: Annotated[int, typer.Option(help="Records per ring row.")] = 4,
+    verify_width: Annotated[int, typer.Option(help="Drafts per verify (window = drafts + 1).")] = 3,
+    state_dtype: Annotated[str, typer.Option(help="Pool dtype: float32 or bfloat16.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     """Write a recorded case made by the numpy reference (verify, then forward over the kept tokens)."""
     from . import cases
@@ -127,11 +133,13 @@ def record(
 
 @app.command()
 def bench(
-    batches: str = typer.Option("1,8,64,256", help="Comma-separated batch sizes (CPU default: 1,8)."),
-    dtypes: str = typer.Option("float32,bfloat16", help="State dtypes."),
-    chain: int = typer.Option(8, help="Folds chained in the long graph."),
-    repeats: int = typer.Option(5, help="Timed runs per graph; the best counts."),
-    json_out: Path = typer.Option(Path("bench-results.json"), "--json", help="Where to write the table as JSON."),
+    batches: Annotated[str, typer.Option(help="Comma-separated batch sizes (CPU default: 1,8).")] = "1,8,64,256",
+    dtypes: Annotated[str, typer.Option(help="State dtypes.")] = "float32,bfloat16",
+    chain: Annotated[int, typer.Option(help="Folds chained in the long graph.")] = 8,
+    repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
+        "bench-results.json"
+    ),
 ) -> None:
     """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
     from max.driver import accelerator_count

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import ml_dtypes
 import numpy as np
@@ -20,8 +20,8 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
 
-ArrayOrBuffer = Union[np.ndarray, Buffer]
-DeviceLike = Union[Device, str, None]
+ArrayOrBuffer: TypeAlias = np.ndarray | Buffer
+DeviceLike: TypeAlias = Device | str | None
 
 _NUMPY_STATE_DTYPES = {np.dtype(np.float32): DType.float32, np.dtype(ml_dtypes.bfloat16): DType.bfloat16}
 
@@ -54,7 +54,9 @@ class _Operand:
 def _describe(name: str, value: Any, device: Device, *, writable: bool) -> _Operand:
     if isinstance(value, Buffer):
         if not _same_device(value.device, device):
-            raise ValueError(f"{name}: buffer lives on {value.device.label}:{value.device.id}, not on {device.label}:{device.id}")
+            raise ValueError(
+                f"{name}: buffer lives on {value.device.label}:{value.device.id}, not on {device.label}:{device.id}"
+            )
         return _Operand(name, tuple(int(d) for d in value.shape), value.dtype, value)
     if not isinstance(value, np.ndarray):
         raise TypeError(f"{name}: expected a numpy array or a max.driver.Buffer, got {type(value).__name__}")
@@ -92,7 +94,8 @@ def _check_ids(name: str, table: np.ndarray, limit: int) -> None:
     bad = np.flatnonzero(table.reshape(-1) >= limit)
     if bad.size:
         raise ValueError(
-            f"{name}: id {int(table.reshape(-1)[bad[0]])} at flat index {int(bad[0])} is out of range (must be < {limit})"
+            f"{name}: id {int(table.reshape(-1)[bad[0]])} at flat index {int(bad[0])} is out of range"
+            f" (must be < {limit})"
         )
 
 
@@ -218,7 +221,10 @@ class StateFolder:
             return recurrent_state
         model = self.model(call.state.dtype, call.parameters)
         state_buffer = self._to_device(call.state.value)
-        tables = [Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device) for t in (call.row_ids, call.ring_row_ids, call.num_accepted)]
+        tables = [
+            Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device)
+            for t in (call.row_ids, call.ring_row_ids, call.num_accepted)
+        ]
         model.execute(state_buffer, self._to_device(call.ring.value), *tables)
         if isinstance(recurrent_state, np.ndarray) and state_buffer.device.label != "cpu":
             _copy_back(state_buffer, recurrent_state)

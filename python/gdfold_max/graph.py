@@ -160,7 +160,9 @@ def check_table_shapes(
     for axis in range(2):
         a, b = _static(row_ids[axis]), _static(ring_row_ids[axis])
         if a is not None and b is not None and a != b:
-            raise ValueError(f"ring_row_ids: shape {_shape_text(ring_row_ids)} differs from row_ids {_shape_text(row_ids)}")
+            raise ValueError(
+                f"ring_row_ids: shape {_shape_text(ring_row_ids)} differs from row_ids {_shape_text(row_ids)}"
+            )
     batch, count = _static(row_ids[1]), _static(num_accepted[0])
     if batch is not None and count is not None and batch != count:
         raise ValueError(f"num_accepted: length {count} differs from the batch {batch} of row_ids")
@@ -212,7 +214,7 @@ def state_fold(
         >>> cpu = DeviceRef.CPU()
         >>> with Graph("fold", input_types=[
         ...         BufferType(DType.float32, [8, 4, 64, 64], cpu),
-        ...         BufferType(DType.float32, [8, 2, 4, 160], cpu),
+        ...         BufferType(DType.float32, [8, 2, 4, 224], cpu),
         ...         TensorType(DType.uint32, [3, 2], cpu),
         ...         TensorType(DType.uint32, [3, 2], cpu),
         ...         TensorType(DType.uint32, [2], cpu)],

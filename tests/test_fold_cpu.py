@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from max.driver import Buffer
+from max.dtype import DType
 from hypothesis import strategies as st
 
 from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
@@ -130,3 +132,15 @@ def test_bf16_pool_rounds_to_nearest_even_saturates_and_keeps_nan(cpu_folder: St
     assert (as_f32[..., 0:64:2] == 1.0).all() and (as_f32[..., 1:64:2] == 1 + 2**-6).all()
     assert (as_f32[..., 80:96] == 2.0**-130).all()
     assert_bits_equal(folded[..., :96], want[..., :96])
+
+
+def test_fold_accepts_max_buffers(cpu_folder: StateFolder) -> None:
+    """Buffers on the folder's device are folded in place, tables may be Buffers too."""
+    case = matrix_case("bf16-K128-G4-R2")
+    bits16 = case.state_in.view(np.uint16).copy()
+    state = Buffer.from_numpy(bits16).view(DType.bfloat16)
+    tables = [Buffer.from_numpy(np.ascontiguousarray(t)) for t in (case.row_ids, case.ring_row_ids,
+                                                                    case.num_accepted)]
+    returned = cpu_folder.fold(state, Buffer.from_numpy(case.ring), *tables)
+    assert returned is state
+    assert np.array_equal(bits16, case.state_out.view(np.uint16))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from max.driver import Buffer
 from max.dtype import DType
-from hypothesis import strategies as st
 
 from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
 from conftest import CONFORMANCE_DIR, assert_bits_equal

@@ -57,7 +57,7 @@ def demo(
     folder.fold(timed, ring, row_ids, ring_row_ids, accepted)
     seconds = time.perf_counter() - start
     active = int(np.count_nonzero((accepted > 0) & (accepted <= ring.shape[2])))
-    moved = 2 * active * 36 * state[0].nbytes
+    moved = 2 * active * row_ids.shape[0] * state[0].nbytes  # each folded row read and written once
     console.print(f"num_accepted = {accepted.tolist()}  ({active} of {batch} requests fold)")
     console.print(f"first call (compile + fold): {first:.1f} s")
     console.print(f"fold: {seconds * 1e3:.2f} ms, {moved / seconds / 1e9:.2f} GB/s of state read+write "

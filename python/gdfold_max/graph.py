@@ -62,7 +62,7 @@ def check_head_dim(name: str, value: int) -> None:
 
 #: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD): the best of a
 #: sweep on an H200 at Qwen3-Next shapes (bench/tune_tiles.py; bench/tune-h200-*.txt).
-#: Both keep 128 bytes of state per thread in flight.
+#: A thread keeps ROWS_PER_THREAD 16-byte state vectors in flight: 128 bytes for fp32, 256 for bf16.
 PREFERRED_TILING = {DType.float32: (64, 8), DType.bfloat16: (128, 16)}
 
 

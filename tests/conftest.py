@@ -9,6 +9,7 @@ import pytest
 from max.driver import accelerator_count
 
 from gdfold_max import StateFolder, folder_for
+from gdfold_max.cases import FoldCase
 
 CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 
@@ -39,6 +40,13 @@ def gpu_folder() -> StateFolder:
 def bits(array: np.ndarray) -> np.ndarray:
     """The raw bit pattern of a float32 or bfloat16 array, for exact comparison."""
     return np.asarray(array).view(np.uint16 if array.dtype.itemsize == 2 else np.uint32)
+
+
+def folded(folder: StateFolder, case: FoldCase) -> np.ndarray:
+    """A fresh copy of the case's pool, folded by ``folder``."""
+    state, *rest = case.fold_operands()
+    folder.fold(state, *rest)
+    return state
 
 
 def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str = "pool") -> None:

@@ -10,7 +10,7 @@ from max.driver import Buffer
 from max.dtype import DType
 
 from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
-from conftest import CONFORMANCE_DIR, assert_bits_equal
+from conftest import CONFORMANCE_DIR, assert_bits_equal, folded
 from gdfold_max import StateFolder, reference
 from gdfold_max.cases import FoldCase, random_fold_case
 
@@ -18,16 +18,13 @@ from gdfold_max.cases import FoldCase, random_fold_case
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_fold_matches_reference(cpu_folder: StateFolder, name: str) -> None:
     case = matrix_case(name)
-    state, *rest = case.fold_operands()
-    cpu_folder.fold(state, *rest)
-    assert_bits_equal(state, case.state_out)
+    assert_bits_equal(folded(cpu_folder, case), case.state_out)
 
 
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_rows_no_pair_names_stay_identical(cpu_folder: StateFolder, name: str) -> None:
     case = matrix_case(name)
-    state, *rest = case.fold_operands()
-    cpu_folder.fold(state, *rest)
+    state = folded(cpu_folder, case)
     named = set(case.row_ids.reshape(-1).tolist())
     skipped = {int(r) for layer in case.row_ids for r, n in zip(layer, case.num_accepted, strict=True)
                if n == 0 or n > case.ring.shape[2]}
@@ -39,9 +36,7 @@ def test_rows_no_pair_names_stay_identical(cpu_folder: StateFolder, name: str) -
 @pytest.mark.parametrize("name", sorted(SPEC_DECODE))
 def test_fold_of_verify_equals_forward_over_accepted(cpu_folder: StateFolder, name: str) -> None:
     case = spec_case(name)
-    state, *rest = case.fold_operands()
-    cpu_folder.fold(state, *rest)
-    assert_bits_equal(state, case.state_out)
+    assert_bits_equal(folded(cpu_folder, case), case.state_out)
 
 
 def test_nan_poison_catches_a_fold_that_reads_too_far(cpu_folder: StateFolder) -> None:
@@ -58,9 +53,7 @@ def test_nan_poison_catches_a_fold_that_reads_too_far(cpu_folder: StateFolder) -
 
 def test_recorded_max_case_reproduced(cpu_folder: StateFolder) -> None:
     case = FoldCase.load(CONFORMANCE_DIR / "public_case_a.npz")
-    state, *rest = case.fold_operands()
-    cpu_folder.fold(state, *rest)
-    assert_bits_equal(state, case.state_out)
+    assert_bits_equal(folded(cpu_folder, case), case.state_out)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -81,9 +74,7 @@ def test_fold_matches_reference_on_random_tables(cpu_folder: StateFolder, seed: 
     case = random_fold_case(seed, layers=layers, batch=batch, num_value_heads=nv, num_key_heads=nk, key_dim=64,
                             value_dim=64, ring_len=4, num_accepted=counts, spare_rows=spare_rows,
                             stride_pad=stride_pad)
-    state, *rest = case.fold_operands()
-    cpu_folder.fold(state, *rest)
-    assert_bits_equal(state, case.state_out)
+    assert_bits_equal(folded(cpu_folder, case), case.state_out)
 
 
 def test_repeated_row_touches_no_other_row(cpu_folder: StateFolder) -> None:

@@ -13,7 +13,7 @@ from std.utils import IndexList
 
 from .fold_cpu import fold_cpu
 from .fold_gpu import RECORD_VEC, fold_block_threads, fold_gpu_kernel
-from .record_layout import record_elements
+from .operand_checks import check_ids, check_pool_and_ring
 
 
 def check_shapes[
@@ -27,40 +27,13 @@ def check_shapes[
 ) raises:
     """Raises on operands whose shapes disagree with each other or with K, V, RING_LEN.
     """
-    comptime assert K % 8 == 0 and 8 <= K <= 256, "K must be a multiple of 8 up to 256"
-    comptime assert V % 8 == 0 and 8 <= V <= 256, "V must be a multiple of 8 up to 256"
-    comptime assert 1 <= RING_LEN <= 16, "RING_LEN must be in 1..16"
     comptime assert (
         K % KEY_DIM_TILE == 0 and KEY_DIM_TILE % RECORD_VEC == 0
     ), "KEY_DIM_TILE must divide K and be a multiple of 4"
     comptime assert (
         ROWS_PER_THREAD >= 1 and KEY_DIM_TILE % ROWS_PER_THREAD == 0
     ), "ROWS_PER_THREAD must divide KEY_DIM_TILE"
-    if state_dims[2] != K or state_dims[3] != V:
-        raise Error(
-            t"recurrent_state: expected [rows, nv, {K}, {V}], got last dims"
-            t" [{state_dims[2]}, {state_dims[3]}]"
-        )
-    var num_value_heads = state_dims[1]
-    var num_key_heads = ring_dims[1]
-    if num_key_heads < 1 or num_value_heads % num_key_heads != 0:
-        raise Error(
-            t"ring: key heads ({num_key_heads}) must divide the state's value"
-            t" heads ({num_value_heads})"
-        )
-    if ring_dims[2] != RING_LEN:
-        raise Error(t"ring: expected RING_LEN {RING_LEN}, got {ring_dims[2]}")
-    var needed = record_elements[K, V](num_value_heads // num_key_heads)
-    if ring_dims[3] < needed:
-        raise Error(
-            t"ring: record stride {ring_dims[3]} is smaller than K + G*(V+1) ="
-            t" {needed}"
-        )
-    if ring_dims[3] % RECORD_VEC != 0:
-        raise Error(
-            t"ring: record stride {ring_dims[3]} is not a multiple of"
-            t" {RECORD_VEC} floats (16 bytes)"
-        )
+    check_pool_and_ring[K, V, RING_LEN](state_dims, ring_dims)
     if row_ids_dims != ring_row_ids_dims:
         raise Error(
             t"ring_row_ids: shape [{ring_row_ids_dims[0]}, {ring_row_ids_dims[1]}]"
@@ -71,19 +44,6 @@ def check_shapes[
             t"num_accepted: length {num_accepted_len} differs from the batch"
             t" {row_ids_dims[1]} of row_ids"
         )
-
-
-def check_ids(
-    ids: Pointer[UInt32, ImmutAnyOrigin], count: Int, limit: Int, name: StaticString
-) raises:
-    """Raises on the first id at or past `limit` (host tables only)."""
-    for i in range(count):
-        var id = Int(ids[unsafe_offset=i])
-        if id >= limit:
-            raise Error(
-                t"{name}: id {id} at flat index {i} is out of range (must be"
-                t" < {limit})"
-            )
 
 
 @extensibility.register("gdfold_state_fold")

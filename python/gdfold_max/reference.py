@@ -7,6 +7,11 @@ then an even result nudged one ulp toward the error) rounds to the correctly rou
 fp32 result. So the reference fold reproduces the kernels bit for bit, and folding the
 records of :func:`verify_ring` equals :func:`recurrence_fwd` over the accepted tokens.
 
+The verify and the forward follow the kernels' fixed order (``mojo/recurrence_math.mojo``):
+every sum over K runs on 8 lanes, lane ``p`` chaining fmas over ``i = p, p+8, ...``, and
+the lanes then add pairwise (see :func:`lane_dot`); ``v - kv/|k|`` is one fma. So the
+reference reproduces the kernels' readout and records bit for bit as well.
+
 Shapes follow ``DESIGN``: ``qkv [T, 2*nk*K + nv*V]`` (q, k, v concatenated),
 ``decay`` and ``beta`` ``[T, nv]``, a pool ``[rows, nv, K, V]`` of float32 or
 ``ml_dtypes.bfloat16``, a ring ``[ring_rows, nk, RING_LEN, stride]`` of float32.
@@ -94,29 +99,58 @@ class HeadShape:
         return np.repeat(q, g, axis=0), np.repeat(k, g, axis=0), v
 
 
-def _inverse_norm(x: F32) -> F32:
-    """``1 / sqrt(sum(x**2) + eps)`` per row, in float32."""
-    squares = np.einsum("hk,hk->h", x, x, dtype=np.float32)
+#: Every reduction over K runs on this many lanes (see :func:`lane_dot`).
+REDUCTION_LANES = 8
+
+
+def _lane_tree(lanes: F32) -> F32:
+    """Adds the 8 lane sums on axis 1 pairwise: ``(p, p+4)``, ``(p, p+2)``, ``(p, p+1)``."""
+    pairs = lanes[:, :4] + lanes[:, 4:]
+    quads = pairs[:, :2] + pairs[:, 2:]
+    return np.asarray(quads[:, 0] + quads[:, 1], np.float32)
+
+
+def lane_dot(matrix: F32, vector: F32) -> F32:
+    """``sum_i matrix[h, i, :] * vector[h, i]`` in the kernels' fixed order.
+
+    Lane ``p`` chains fmas over ``i = p, p+8, p+16, ...`` from +0; then the lanes add
+    pairwise (:func:`_lane_tree`). ``matrix`` is ``[nv, K, V]``, ``vector`` ``[nv, K]``.
+    """
+    heads, key_dim = vector.shape
+    lanes = np.zeros((heads, REDUCTION_LANES) + matrix.shape[2:], np.float32)
+    for m in range(key_dim // REDUCTION_LANES):
+        rows = slice(m * REDUCTION_LANES, (m + 1) * REDUCTION_LANES)
+        lanes = fma_f32(matrix[:, rows], vector[:, rows].reshape(lanes.shape[:2] + (1,) * (matrix.ndim - 2)), lanes)
+    return _lane_tree(lanes)
+
+
+def inverse_norm(x: F32) -> F32:
+    """``1 / sqrt(sum(x*x) + eps)`` per row of ``[nv, K]``, in the fixed lane order."""
+    squares = lane_dot(x[:, :, None], x)[:, 0]
     return np.float32(1.0) / np.sqrt(squares + np.float32(L2_EPS))
+
+
+def query_scale(key_dim: int) -> np.float32:
+    """``1/sqrt(K)``, computed in float64 and rounded once to float32."""
+    return np.float32(1.0 / np.sqrt(float(key_dim)))
 
 
 def _token_step(
     state: F32, q: F32, k: F32, v: F32, decay: F32, beta: F32, heads: HeadShape
 ) -> tuple[F32, F32, F32]:
-    """One token of the recurrence on an fp32 ``[nv, K, V]`` state.
+    """One token of the recurrence on an fp32 ``[nv, K, V]`` state, in the kernels' order.
 
     Returns the new state, the delta factor ``u`` (``[nv, V]``) and the readout.
     """
-    decay = decay.astype(np.float32)
-    beta = beta.astype(np.float32)
-    state = (state * decay[:, None, None]).astype(np.float32)
-    kv = np.einsum("hkv,hk->hv", state, k, dtype=np.float32)
-    inv_k = _inverse_norm(k)[:, None]
-    delta = (beta[:, None] * (v - kv * inv_k) * inv_k).astype(np.float32)
+    decay = np.asarray(decay, np.float32)
+    beta = np.asarray(beta, np.float32)
+    state = np.asarray(state * decay[:, None, None], np.float32)
+    kv = lane_dot(state, k)
+    inv_k = inverse_norm(k)[:, None]
+    delta = np.asarray((beta[:, None] * fma_f32(-kv, inv_k, v)) * inv_k, np.float32)
     state = fma_f32(k[:, :, None], delta[:, None, :], state)
-    q_scaled = q * (_inverse_norm(q) * np.float32(heads.key_dim**-0.5))[:, None]
-    readout = np.einsum("hkv,hk->hv", state, q_scaled.astype(np.float32), dtype=np.float32)
-    return state, delta, readout
+    q_hat = np.asarray(q * (inverse_norm(q) * query_scale(heads.key_dim))[:, None], np.float32)
+    return state, delta, lane_dot(state, q_hat)
 
 
 def _requests(input_row_offsets: NDArray) -> list[tuple[int, int, int]]:
@@ -171,6 +205,9 @@ def verify_ring(
     slot_idx: NDArray,
     ring_slot_idx: NDArray,
     input_row_offsets: NDArray,
+    *,
+    previous_ring_row_ids: NDArray | None = None,
+    previous_num_accepted: NDArray | None = None,
 ) -> F32:
     """Runs the recurrence over each request's verify window, recording into the ring.
 
@@ -179,9 +216,21 @@ def verify_ring(
     RING_LEN cannot be recorded: that request commits the pool itself, as a plain
     forward would, and writes no record.
 
+    With ``previous_ring_row_ids`` and ``previous_num_accepted`` (fold on load), the
+    previous step's records are first folded into the pool, exactly as :func:`fold`
+    does, and the window runs from the folded state.
+
     Returns:
         The readout, ``[T, nv*V]`` float32.
     """
+    if previous_ring_row_ids is not None and previous_num_accepted is not None:
+        fold(
+            recurrent_state,
+            ring,
+            np.asarray(slot_idx)[None],
+            np.asarray(previous_ring_row_ids)[None],
+            previous_num_accepted,
+        )
     _, nv, kd, vd = recurrent_state.shape
     _, nk, ring_len, _ = ring.shape
     heads = HeadShape(nk, nv, kd, vd)
@@ -268,10 +317,14 @@ def fold(
 
 __all__ = [
     "L2_EPS",
+    "REDUCTION_LANES",
     "HeadShape",
     "fma_f32",
     "fold",
     "fold_records",
+    "inverse_norm",
+    "lane_dot",
+    "query_scale",
     "recurrence_fwd",
     "verify_ring",
     "ml_dtypes",

@@ -1,0 +1,148 @@
+"""The verify window and the forward on the CPU: parallel over (request, value head,
+8-column block), since every column of a head's [K, V] state evolves on its own.
+
+Each work item keeps its K x 8 slice of the state in registers and stack, applies the
+previous step's accepted records first when asked to (fold on load), then runs the
+request's tokens. Norms are recomputed per column block: cheap next to the state work.
+"""
+
+from max.algorithm import sync_parallelize
+from std.math import fma
+
+from .float_env import keep_subnormals, write_float_control
+from .recurrence_math import REDUCTION_LANES, inverse_norm, lane_tree, query_scale
+from .record_layout import decay_offset, delta_offset, key_offset
+from .state_cast import narrow, widen
+
+comptime COLUMN_BLOCK = 8
+
+
+def windows_cpu[
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch: Int,
+    num_value_heads: Int,
+    num_key_heads: Int,
+    record_stride: Int,
+):
+    """Runs every request's window; all ids and offsets were validated."""
+    comptime W = COLUMN_BLOCK
+    comptime BLOCKS = V // W
+    var group_size = num_value_heads // num_key_heads
+    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+    var readout_width = num_value_heads * V
+
+    def run_one(item: Int) {imm}:
+        var block = item % BLOCKS
+        var value_head = (item // BLOCKS) % num_value_heads
+        var request = item // (BLOCKS * num_value_heads)
+        var column = block * W
+        var key_head = value_head // group_size
+        var group_slot = value_head % group_size
+        var start = Int(offsets[unsafe_offset=request])
+        var end = Int(offsets[unsafe_offset=request + 1])
+        # A window longer than the ring cannot be recorded: the request commits instead.
+        var commit = not RECORD or end - start > RING_LEN
+        var state_base = (
+            (Int(row_ids[unsafe_offset=request]) * num_value_heads + value_head) * K * V
+            + column
+        )
+        var saved_control = keep_subnormals()
+
+        var s = Array[SIMD[DType.float32, W], K](uninitialized=True)
+        for i in range(K):
+            s[i] = widen[state_dtype, W](state.unsafe_load[width=W](state_base + i * V))
+
+        var changed = end > start
+        comptime if FOLD_PREVIOUS:
+            var accepted = Int(previous_accepted[unsafe_offset=request])
+            if accepted >= 1 and accepted <= RING_LEN:
+                var record_base = (
+                    (Int(previous_ring_row_ids[unsafe_offset=request]) * num_key_heads + key_head)
+                    * RING_LEN
+                    * record_stride
+                )
+                changed = True
+                for t in range(accepted):
+                    var record = record_base + t * record_stride
+                    var d = ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)]
+                    var u = ring.unsafe_load[width=W](record + delta_offset[K, V](group_slot) + column)
+                    for i in range(K):
+                        var k = SIMD[DType.float32, W](ring[unsafe_offset=record + key_offset() + i])
+                        s[i] = fma(k, u, s[i] * d)
+                # What a separate fold would leave in the pool, and what a verify reads back.
+                for i in range(K):
+                    var stored = narrow[state_dtype, W](s[i])
+                    s[i] = widen[state_dtype, W](stored)
+                    if not commit:
+                        state.unsafe_store(state_base + i * V, stored)
+
+        comptime scale = query_scale[K]()
+        for t in range(start, end):
+            var q_at = t * qkv_width + key_head * K
+            var k_at = t * qkv_width + num_key_heads * K + key_head * K
+            var v_at = t * qkv_width + 2 * num_key_heads * K + value_head * V + column
+            var inv_k = inverse_norm[K](qkv, k_at)
+            var q_scale = inverse_norm[K](qkv, q_at) * scale
+            var d = decay[unsafe_offset=t * num_value_heads + value_head]
+            var b = beta[unsafe_offset=t * num_value_heads + value_head]
+
+            # kv = S^T k on the decayed state.
+            var lanes = Array[SIMD[DType.float32, W], REDUCTION_LANES](fill=0.0)
+            for m in range(K // REDUCTION_LANES):
+                comptime for p in range(REDUCTION_LANES):
+                    var i = m * REDUCTION_LANES + p
+                    s[i] = s[i] * d
+                    lanes[p] = fma(s[i], SIMD[DType.float32, W](qkv[unsafe_offset=k_at + i]), lanes[p])
+            var kv = lane_tree[W](lanes)
+            var error = fma(-kv, SIMD[DType.float32, W](inv_k), qkv.unsafe_load[width=W](v_at))
+            var u = (b * error) * inv_k
+
+            # S += k u^T, then the readout o = S^T (q / ||q|| / sqrt(K)).
+            var out_lanes = Array[SIMD[DType.float32, W], REDUCTION_LANES](fill=0.0)
+            for m in range(K // REDUCTION_LANES):
+                comptime for p in range(REDUCTION_LANES):
+                    var i = m * REDUCTION_LANES + p
+                    s[i] = fma(SIMD[DType.float32, W](qkv[unsafe_offset=k_at + i]), u, s[i])
+                    var q_hat = qkv[unsafe_offset=q_at + i] * q_scale
+                    out_lanes[p] = fma(s[i], SIMD[DType.float32, W](q_hat), out_lanes[p])
+            readout.unsafe_store(
+                t * readout_width + value_head * V + column, lane_tree[W](out_lanes)
+            )
+
+            comptime if RECORD:
+                if not commit:
+                    var record = (
+                        (Int(ring_row_ids[unsafe_offset=request]) * num_key_heads + key_head)
+                        * RING_LEN
+                        + (t - start)
+                    ) * record_stride
+                    ring.unsafe_store(record + delta_offset[K, V](group_slot) + column, u)
+                    if block == 0:
+                        ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
+                        if group_slot == 0:
+                            for i in range(K):
+                                ring[unsafe_offset=record + key_offset() + i] = qkv[unsafe_offset=k_at + i]
+
+        if commit and changed:
+            for i in range(K):
+                state.unsafe_store(state_base + i * V, narrow[state_dtype, W](s[i]))
+        write_float_control(saved_control)
+
+    sync_parallelize(run_one, batch * num_value_heads * BLOCKS)

@@ -1,0 +1,202 @@
+"""Checks and launches the window kernels behind `gdfold_verify_ring`,
+`gdfold_verify_ring_fold_on_load` and `gdfold_recurrence`.
+
+Shape checks run for both targets before anything is launched. On the CPU the row
+tables and offsets are host memory, so they are checked too before the first store.
+On the GPU they are trusted for speed, but the kernel never follows an id out of
+bounds: it skips that request and fills its readout with NaN.
+"""
+
+from max.gpu.host import DeviceContext
+from std.utils import IndexList
+
+from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
+from .window_cpu import windows_cpu
+from .window_gpu import THREAD_COLUMNS, window_block_threads, windows_gpu_kernel
+
+
+def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
+    """The key head count nk from the width of qkv, `2*nk*K + nv*V`, when no ring tells it."""
+    var rest = qkv_width - num_value_heads * V
+    if rest <= 0 or rest % (2 * K) != 0:
+        raise Error(
+            t"qkv: width {qkv_width} is not 2*nk*{K} + nv*{V} for nv={num_value_heads}"
+        )
+    var num_key_heads = rest // (2 * K)
+    if num_value_heads % num_key_heads != 0:
+        raise Error(
+            t"qkv: key heads nk={num_key_heads} must divide the state's value heads"
+            t" nv={num_value_heads}"
+        )
+    return num_key_heads
+
+
+def check_length(name: StaticString, length: Int, expected: Int, what: StaticString) raises:
+    if length != expected:
+        raise Error(t"{name}: length {length} differs from {what} ({expected})")
+
+
+def check_offsets(
+    offsets: Pointer[UInt32, ImmutAnyOrigin], batch: Int, num_tokens: Int
+) raises:
+    """Raises unless the offsets start at 0, never decrease and end at the token count."""
+    if Int(offsets[unsafe_offset=0]) != 0:
+        raise Error(
+            t"input_row_offsets: must start at 0, got {Int(offsets[unsafe_offset=0])}"
+        )
+    for b in range(batch):
+        var start = Int(offsets[unsafe_offset=b])
+        var end = Int(offsets[unsafe_offset=b + 1])
+        if end < start:
+            raise Error(
+                t"input_row_offsets: decreases at index {b + 1} ({start} then {end})"
+            )
+    var last = Int(offsets[unsafe_offset=batch])
+    if last != num_tokens:
+        raise Error(
+            t"input_row_offsets: ends at {last}, but qkv has {num_tokens} tokens"
+        )
+
+
+def check_no_ring_overlap[
+    RING_LEN: Int
+](
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch: Int,
+) raises:
+    """Raises if a ring row that receives new records is also one the fold reads."""
+    for writer in range(batch):
+        var window = Int(offsets[unsafe_offset=writer + 1]) - Int(offsets[unsafe_offset=writer])
+        if window == 0 or window > RING_LEN:
+            continue
+        var written = Int(ring_row_ids[unsafe_offset=writer])
+        for reader in range(batch):
+            var accepted = Int(previous_accepted[unsafe_offset=reader])
+            if accepted == 0 or accepted > RING_LEN:
+                continue
+            if Int(previous_ring_row_ids[unsafe_offset=reader]) == written:
+                raise Error(
+                    t"ring_row_ids: request {writer} records into ring row {written},"
+                    t" which request {reader} folds from (previous_ring_row_ids);"
+                    t" alternate between two ring rows per request"
+                )
+
+
+def run_windows[
+    target: StaticString,
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    COLUMN_TILE: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    readout_dims: IndexList[2],
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    state_dims: IndexList[4],
+    ring: Pointer[Float32, MutAnyOrigin],
+    ring_dims: IndexList[4],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    qkv_dims: IndexList[2],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    decay_dims: IndexList[2],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    beta_dims: IndexList[2],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    batch: Int,
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids_len: Int,
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    offsets_len: Int,
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids_len: Int,
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted_len: Int,
+    ctx: DeviceContext,
+) raises:
+    """Checks every operand, then runs each request's window (see window_cpu/gpu)."""
+    check_head_dims[K, V, RING_LEN]()
+    comptime assert (
+        COLUMN_TILE >= THREAD_COLUMNS
+        and COLUMN_TILE % THREAD_COLUMNS == 0
+        and V % COLUMN_TILE == 0
+    ), "COLUMN_TILE must be a multiple of 4 that divides V"
+    var num_value_heads = state_dims[1]
+    var num_key_heads: Int
+    comptime if RECORD:
+        check_pool_and_ring[K, V, RING_LEN](state_dims, ring_dims)
+        num_key_heads = ring_dims[1]
+        var expected = 2 * num_key_heads * K + num_value_heads * V
+        if qkv_dims[1] != expected:
+            raise Error(
+                t"qkv: width {qkv_dims[1]} differs from 2*nk*K + nv*V = {expected}"
+            )
+    else:
+        check_pool[K, V](state_dims)
+        num_key_heads = key_heads_of_qkv[K, V](qkv_dims[1], num_value_heads)
+    var num_tokens = qkv_dims[0]
+    if decay_dims[0] != num_tokens or decay_dims[1] != num_value_heads:
+        raise Error(
+            t"decay: expected [{num_tokens}, {num_value_heads}], got"
+            t" [{decay_dims[0]}, {decay_dims[1]}]"
+        )
+    if beta_dims[0] != num_tokens or beta_dims[1] != num_value_heads:
+        raise Error(
+            t"beta: expected [{num_tokens}, {num_value_heads}], got"
+            t" [{beta_dims[0]}, {beta_dims[1]}]"
+        )
+    if readout_dims[0] != num_tokens or readout_dims[1] != num_value_heads * V:
+        raise Error(
+            t"readout: expected [{num_tokens}, {num_value_heads * V}], got"
+            t" [{readout_dims[0]}, {readout_dims[1]}]"
+        )
+    check_length("input_row_offsets", offsets_len, batch + 1, "batch + 1")
+    comptime if RECORD:
+        check_length("ring_row_ids", ring_row_ids_len, batch, "the batch of row_ids")
+    comptime if FOLD_PREVIOUS:
+        check_length(
+            "previous_ring_row_ids", previous_ring_row_ids_len, batch, "the batch of row_ids"
+        )
+        check_length(
+            "previous_num_accepted", previous_accepted_len, batch, "the batch of row_ids"
+        )
+    if batch == 0 or num_value_heads == 0:
+        return
+    var num_rows = state_dims[0]
+    var num_ring_rows = ring_dims[0]
+    var record_stride = ring_dims[3]
+
+    comptime if target == "cpu":
+        check_offsets(offsets, batch, num_tokens)
+        check_ids(row_ids, batch, num_rows, "row_ids")
+        comptime if RECORD:
+            check_ids(ring_row_ids, batch, num_ring_rows, "ring_row_ids")
+        comptime if FOLD_PREVIOUS:
+            check_ids(previous_ring_row_ids, batch, num_ring_rows, "previous_ring_row_ids")
+            check_no_ring_overlap[RING_LEN](
+                ring_row_ids, offsets, previous_ring_row_ids, previous_accepted, batch
+            )
+        windows_cpu[state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS](
+            readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
+            previous_ring_row_ids, previous_accepted, batch, num_value_heads,
+            num_key_heads, record_stride,
+        )
+    elif target == "gpu":
+        comptime kernel = windows_gpu_kernel[
+            state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE
+        ]
+        ctx.enqueue_function[kernel](
+            readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
+            previous_ring_row_ids, previous_accepted,
+            Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows),
+            Int32(num_value_heads), Int32(num_key_heads), Int32(record_stride),
+            grid_dim=(num_value_heads * (V // COLUMN_TILE), batch),
+            block_dim=window_block_threads[COLUMN_TILE](),
+        )
+    else:
+        raise Error(t"unsupported target {target}")

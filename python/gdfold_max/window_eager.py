@@ -1,0 +1,298 @@
+"""Eager verify and forward: numpy (or MAX ``Buffer``) in, cached compiled graphs underneath.
+
+Every operand is validated on the host before the first byte is written, so a bad call
+raises ``ValueError`` (or ``TypeError``) and leaves the pool and the ring untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+from .eager import ArrayOrBuffer, DeviceLike, _check_ids, _copy_back, _describe, _host_buffer, _host_table, _Operand
+from .eager import resolve_device
+from .graph import STATE_DTYPES, check_head_dim, fold_parameters, kernels_path
+from .window_graph import default_column_tile, recurrence, verify_ring
+
+_TOKEN_INPUTS = ("qkv", "decay", "beta")
+
+
+def _check_lengths(tables: dict[str, np.ndarray], batch: int) -> None:
+    for name, table in tables.items():
+        if table.ndim != 1:
+            raise ValueError(f"{name}: expected rank 1, got shape {list(table.shape)}")
+        expected = batch + 1 if name == "input_row_offsets" else batch
+        if table.shape[0] != expected:
+            what = "batch + 1" if name == "input_row_offsets" else "the batch of row_ids"
+            raise ValueError(f"{name}: length {table.shape[0]} differs from {what} ({expected})")
+
+
+def check_offsets(offsets: np.ndarray, num_tokens: int) -> None:
+    """Raises unless the offsets start at 0, never decrease and end at the token count."""
+    if int(offsets[0]) != 0:
+        raise ValueError(f"input_row_offsets: must start at 0, got {int(offsets[0])}")
+    steps = np.diff(offsets.astype(np.int64))
+    if np.any(steps < 0):
+        at = int(np.argmax(steps < 0)) + 1
+        raise ValueError(
+            f"input_row_offsets: decreases at index {at} ({int(offsets[at - 1])} then {int(offsets[at])})"
+        )
+    if int(offsets[-1]) != num_tokens:
+        raise ValueError(f"input_row_offsets: ends at {int(offsets[-1])}, but qkv has {num_tokens} tokens")
+
+
+def check_no_ring_overlap(
+    ring_row_ids: np.ndarray,
+    offsets: np.ndarray,
+    previous_ring_row_ids: np.ndarray,
+    previous_num_accepted: np.ndarray,
+    ring_len: int,
+) -> None:
+    """Raises if a ring row that receives new records is also one the fold reads."""
+    windows = np.diff(offsets.astype(np.int64))
+    writers = np.flatnonzero((windows > 0) & (windows <= ring_len))
+    readers = np.flatnonzero((previous_num_accepted > 0) & (previous_num_accepted <= ring_len))
+    read_rows = {int(previous_ring_row_ids[r]): int(r) for r in readers[::-1]}
+    for writer in writers:
+        row = int(ring_row_ids[writer])
+        if row in read_rows:
+            raise ValueError(
+                f"ring_row_ids: request {int(writer)} records into ring row {row}, which request"
+                f" {read_rows[row]} folds from (previous_ring_row_ids); alternate between two ring rows per request"
+            )
+
+
+@dataclass(frozen=True)
+class WindowCall:
+    """A verify or forward call whose operands all passed validation."""
+
+    tokens: tuple[_Operand, _Operand, _Operand]
+    state: _Operand
+    ring: _Operand | None
+    tables: dict[str, np.ndarray]
+    parameters: dict[str, int]
+
+
+def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_heads: int) -> tuple[_Operand, ...]:
+    operands = tuple(_describe(name, value, device, writable=False) for name, value in zip(_TOKEN_INPUTS, (qkv, decay, beta), strict=True))
+    for operand in operands:
+        if operand.dtype != DType.float32:
+            raise ValueError(f"{operand.name}: dtype {operand.dtype} is unsupported (float32)")
+        if len(operand.shape) != 2:
+            raise ValueError(f"{operand.name}: expected rank 2, got shape {list(operand.shape)}")
+    num_tokens = operands[0].shape[0]
+    for operand in operands[1:]:
+        if operand.shape != (num_tokens, num_value_heads):
+            raise ValueError(
+                f"{operand.name}: expected [{num_tokens}, {num_value_heads}], got {list(operand.shape)}"
+            )
+    return operands
+
+
+def validate_window(
+    qkv: Any,
+    decay: Any,
+    beta: Any,
+    recurrent_state: Any,
+    ring: Any,
+    tables: dict[str, Any],
+    device: Any,
+) -> WindowCall:
+    """Checks every operand of a verify (``ring`` given) or a forward on the host."""
+    state = _describe("recurrent_state", recurrent_state, device, writable=True)
+    if len(state.shape) != 4:
+        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {len(state.shape)}")
+    rows, nv, key_dim, value_dim = state.shape
+    ring_op = None
+    if ring is not None:
+        ring_op = _describe("ring", ring, device, writable=True)
+        parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype)
+        num_key_heads = ring_op.shape[1]
+    else:
+        if state.dtype not in STATE_DTYPES:
+            raise ValueError(f"recurrent_state: dtype {state.dtype} is unsupported (float32 or bfloat16)")
+        check_head_dim("recurrent_state: K", key_dim)
+        check_head_dim("recurrent_state: V", value_dim)
+        parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1}
+        num_key_heads = 0
+    tokens = _token_operands(qkv, decay, beta, device, nv)
+    width = tokens[0].shape[1]
+    if ring_op is not None:
+        expected = 2 * num_key_heads * key_dim + nv * value_dim
+        if width != expected:
+            raise ValueError(f"qkv: width {width} differs from 2*nk*K + nv*V = {expected}")
+    else:
+        rest = width - nv * value_dim
+        if rest <= 0 or rest % (2 * key_dim) != 0 or nv % (rest // (2 * key_dim)) != 0:
+            raise ValueError(f"qkv: width {width} is not 2*nk*{key_dim} + nv*{value_dim} with nk dividing nv={nv}")
+    host = {name: _host_table(name, value) for name, value in tables.items()}
+    batch = host["row_ids"].shape[0] if host["row_ids"].ndim == 1 else -1
+    _check_lengths(host, batch)
+    check_offsets(host["input_row_offsets"], tokens[0].shape[0])
+    _check_ids("row_ids", host["row_ids"], rows)
+    if ring_op is not None:
+        ring_rows, ring_len = ring_op.shape[0], ring_op.shape[2]
+        _check_ids("ring_row_ids", host["ring_row_ids"], ring_rows)
+        if "previous_ring_row_ids" in host:
+            _check_ids("previous_ring_row_ids", host["previous_ring_row_ids"], ring_rows)
+            check_no_ring_overlap(host["ring_row_ids"], host["input_row_offsets"], host["previous_ring_row_ids"],
+                                  host["previous_num_accepted"], ring_len)
+    return WindowCall((tokens[0], tokens[1], tokens[2]), state, ring_op, host, parameters)
+
+
+class WindowRunner:
+    """Compiles the verify / fold-on-load verify / forward graphs once per static shape.
+
+    Tokens, pool rows, heads, record stride and batch are symbolic in each graph, so one
+    compiled model serves every batch of the same (state dtype, K, V, RING_LEN).
+
+    Args:
+        device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
+        column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
+    """
+
+    def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None) -> None:
+        self.device = resolve_device(device)
+        self.column_tile = column_tile
+        self._session = InferenceSession(devices=[self.device])
+        self._models: dict[tuple[object, ...], Model] = {}
+        self._lock = threading.Lock()
+
+    def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
+        """The compiled graph of ``kind`` (verify, fold_on_load or forward), built on first use."""
+        key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"])
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = self._session.load(self._build(kind, state_dtype, parameters))
+            return self._models[key]
+
+    def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
+        where = DeviceRef.from_device(self.device)
+        k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
+        tile = self.column_tile or default_column_tile(v)
+        f32, u32 = DType.float32, DType.uint32
+        inputs = [
+            TensorType(f32, ["tokens", "width"], where),
+            TensorType(f32, ["tokens", "nv"], where),
+            TensorType(f32, ["tokens", "nv"], where),
+            BufferType(state_dtype, ["rows", "nv", k, v], where),
+        ]
+        if kind != "forward":
+            inputs.append(BufferType(f32, ["ring_rows", "nk", ring_len, "stride"], where))
+        tables = 2 if kind == "forward" else (5 if kind == "fold_on_load" else 3)
+        inputs += [TensorType(u32, ["batch_plus_one" if i == (1 if kind == "forward" else 2) else "batch"], where)
+                   for i in range(tables)]
+        name = f"gdfold_{kind}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
+        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+            values = [x.tensor for x in graph.inputs[:3]]
+            state = graph.inputs[3].buffer
+            if kind == "forward":
+                rows, offsets = (x.tensor for x in graph.inputs[4:])
+                out = recurrence(*values, state, rows, offsets, column_tile=tile)
+            else:
+                ring = graph.inputs[4].buffer
+                rest = [x.tensor for x in graph.inputs[5:]]
+                previous = {}
+                if kind == "fold_on_load":
+                    previous = {"previous_ring_row_ids": rest[3], "previous_num_accepted": rest[4]}
+                out = verify_ring(*values, state, ring, rest[0], rest[1], rest[2], column_tile=tile, **previous)
+            graph.output(out)
+        return graph
+
+    def _run(self, kind: str, call: WindowCall) -> np.ndarray:
+        tokens = call.tokens[0].shape[0]
+        nv, value_dim = call.state.shape[1], call.state.shape[3]
+        if not call.tables["row_ids"].size:
+            return np.zeros((tokens, nv * value_dim), np.float32)
+        model = self.model(kind, call.state.dtype, call.parameters)
+        state = self._to_device(call.state.value)
+        ring = self._to_device(call.ring.value) if call.ring is not None else None
+        values = [self._to_device(np.ascontiguousarray(op.value) if isinstance(op.value, np.ndarray) else op.value)
+                  for op in call.tokens]
+        tables = [Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device) for t in call.tables.values()]
+        args = [*values, state] + ([ring] if ring is not None else []) + tables
+        (readout,) = model.execute(*args)
+        on_host = self.device.label == "cpu"
+        if not on_host:
+            for operand, buffer in ((call.state, state), (call.ring, ring)):
+                if operand is not None and buffer is not None and isinstance(operand.value, np.ndarray):
+                    _copy_back(buffer, operand.value)
+        assert isinstance(readout, Buffer)
+        return np.asarray(readout.to(CPU()).to_numpy())
+
+    def verify_ring(
+        self,
+        qkv: ArrayOrBuffer,
+        decay: ArrayOrBuffer,
+        beta: ArrayOrBuffer,
+        recurrent_state: ArrayOrBuffer,
+        ring: ArrayOrBuffer,
+        row_ids: Any,
+        ring_row_ids: Any,
+        input_row_offsets: Any,
+        *,
+        previous_ring_row_ids: Any = None,
+        previous_num_accepted: Any = None,
+    ) -> np.ndarray:
+        """The eager twin of :func:`gdfold_max.verify_ring`; returns the readout.
+
+        The ring (and, with fold on load or a window past RING_LEN, the pool) is
+        written in place.
+
+        Raises:
+            TypeError, ValueError: naming the bad argument; nothing is written.
+        """
+        if (previous_ring_row_ids is None) != (previous_num_accepted is None):
+            raise ValueError("previous_ring_row_ids, previous_num_accepted: give both for fold on load, or neither")
+        tables = {"row_ids": row_ids, "ring_row_ids": ring_row_ids, "input_row_offsets": input_row_offsets}
+        kind = "verify"
+        if previous_ring_row_ids is not None:
+            tables |= {"previous_ring_row_ids": previous_ring_row_ids, "previous_num_accepted": previous_num_accepted}
+            kind = "fold_on_load"
+        call = validate_window(qkv, decay, beta, recurrent_state, ring, tables, self.device)
+        return self._run(kind, call)
+
+    def recurrence(
+        self,
+        qkv: ArrayOrBuffer,
+        decay: ArrayOrBuffer,
+        beta: ArrayOrBuffer,
+        recurrent_state: ArrayOrBuffer,
+        row_ids: Any,
+        input_row_offsets: Any,
+    ) -> np.ndarray:
+        """The eager twin of :func:`gdfold_max.recurrence`: commits the pool in place and
+        returns the readout.
+
+        Raises:
+            TypeError, ValueError: naming the bad argument; nothing is written.
+        """
+        tables = {"row_ids": row_ids, "input_row_offsets": input_row_offsets}
+        call = validate_window(qkv, decay, beta, recurrent_state, None, tables, self.device)
+        return self._run("forward", call)
+
+    def _to_device(self, value: ArrayOrBuffer) -> Buffer:
+        if isinstance(value, Buffer):
+            return value
+        return _host_buffer(value).to(self.device)
+
+
+_runners: dict[tuple[str, int], WindowRunner] = {}
+_runners_lock = threading.Lock()
+
+
+def runner_for(device: DeviceLike = None) -> WindowRunner:
+    """The process-wide cached :class:`WindowRunner` of a device."""
+    resolved = resolve_device(device)
+    key = (resolved.label, resolved.id)
+    with _runners_lock:
+        if key not in _runners:
+            _runners[key] = WindowRunner(resolved)
+        return _runners[key]

@@ -1,0 +1,247 @@
+"""Graph-level functions for the recurrence over token windows: ``verify_ring`` (with
+or without fold on load) and ``recurrence``, the plain forward.
+
+A graph that calls these must be built with ``custom_extensions=[kernels_path()]``.
+The arithmetic runs in one fixed, documented order (see ``reference``), so the numpy
+reference reproduces the readout, the records and the pool bit for bit.
+"""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
+
+from .graph import _row_table, _shape_text, _static, check_head_dim, fold_parameters
+
+VERIFY_OP_NAME = "gdfold_verify_ring"
+VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
+RECURRENCE_OP_NAME = "gdfold_recurrence"
+
+#: Value columns one GPU block owns, at most (a multiple of 4 dividing V). Smaller
+#: tiles make more blocks for small batches; 64 measured best on an H200.
+PREFERRED_COLUMN_TILE = 64
+
+
+def default_column_tile(value_dim: int) -> int:
+    """The GPU column tile used when the caller names none.
+
+    >>> default_column_tile(128), default_column_tile(40)
+    (64, 20)
+    """
+    tile = min(PREFERRED_COLUMN_TILE, value_dim)
+    while value_dim % tile != 0 or tile % 4 != 0:
+        tile -= 4
+    return tile
+
+
+def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
+    tile = default_column_tile(value_dim) if column_tile is None else column_tile
+    if tile < 4 or tile % 4 != 0 or value_dim % tile != 0:
+        raise ValueError(f"column_tile: {tile} must be a multiple of 4 that divides V={value_dim}")
+    return tile
+
+
+def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue, num_value_heads: Dim) -> None:
+    for name, value in (("qkv", qkv), ("decay", decay), ("beta", beta)):
+        if value.dtype != DType.float32:
+            raise ValueError(f"{name}: dtype {value.dtype} is unsupported (float32)")
+        if value.rank != 2:
+            raise ValueError(f"{name}: expected rank 2, got shape {_shape_text(list(value.shape))}")
+    tokens = [_static(v.shape[0]) for v in (qkv, decay, beta)]
+    known = {t for t in tokens if t is not None}
+    if len(known) > 1:
+        raise ValueError(
+            f"decay, beta: token counts {tokens[1]} and {tokens[2]} must equal qkv's {tokens[0]}"
+        )
+    heads = _static(num_value_heads)
+    for name, value in (("decay", decay), ("beta", beta)):
+        width = _static(value.shape[1])
+        if heads is not None and width is not None and width != heads:
+            raise ValueError(f"{name}: expected [T, nv={heads}], got shape {_shape_text(list(value.shape))}")
+
+
+def _check_vector(name: str, value: TensorValue) -> TensorValue:
+    if value.rank != 1:
+        raise ValueError(f"{name}: expected rank 1, got shape {_shape_text(list(value.shape))}")
+    return _row_table(name, value)
+
+
+def _readout_type(qkv: TensorValue, recurrent_state: BufferValue, value_dim: int) -> TensorType:
+    return TensorType(DType.float32, [qkv.shape[0], recurrent_state.shape[1] * value_dim], recurrent_state.device)
+
+
+def verify_ring(
+    qkv: TensorValue,
+    decay: TensorValue,
+    beta: TensorValue,
+    recurrent_state: BufferValue,
+    ring: BufferValue,
+    row_ids: TensorValue,
+    ring_row_ids: TensorValue,
+    input_row_offsets: TensorValue,
+    *,
+    previous_ring_row_ids: TensorValue | None = None,
+    previous_num_accepted: TensorValue | None = None,
+    column_tile: int | None = None,
+) -> TensorValue:
+    """Runs each request's verify window, recording into the ring; returns the readout.
+
+    Request ``b`` owns tokens ``input_row_offsets[b] : input_row_offsets[b+1]``. Token
+    ``i`` of its window writes record ``i`` of ring row ``ring_row_ids[b]`` (the raw
+    key, the delta factors, the decays; see ``layout``). The pool is only read, except
+    that a window longer than RING_LEN cannot be recorded: that request commits its pool
+    row itself and writes no record.
+
+    With ``previous_ring_row_ids`` and ``previous_num_accepted``, the verify first folds
+    the previous step's records into the state as it loads it (``S = fma(k, u, S*d)``
+    over the first ``previous_num_accepted[b]`` records of ring row
+    ``previous_ring_row_ids[b]``, as :func:`gdfold_max.state_fold` would) and writes the
+    folded state back, so a decoding step touches each state element once. The result
+    equals, bit for bit, a fold followed by a plain verify. The rows it records into
+    must differ from the rows it folds from: give each request two ring rows and
+    alternate.
+
+    Per token and value head, in fp32 with one rounding per operation:
+    ``S = S * d``; ``kv = S^T k``; ``u = (beta * fma(-kv, 1/|k|, v)) * (1/|k|)``;
+    ``S = fma(k, u, S)``; ``o = S^T (q * (1/|q| * 1/sqrt(K)))``, where
+    ``1/|x| = 1 / sqrt(sum(x*x) + 1e-6)``. Every sum over K runs on 8 lanes (lane ``p``
+    chains fmas over ``i = p, p+8, ...``), then adds lanes ``(p, p+4)``, ``(p, p+2)``,
+    ``(p, p+1)``.
+
+    Args:
+        qkv: ``[T, 2*nk*K + nv*V]`` float32: q, then k, then v of every token.
+        decay: ``[T, nv]`` float32 decays, already exp'd.
+        beta: ``[T, nv]`` float32 gates.
+        recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer.
+        ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 ring buffer.
+        row_ids: ``[B]`` pool row of each request (integers, cast to uint32).
+        ring_row_ids: ``[B]`` ring row each request records into.
+        input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
+        previous_ring_row_ids: ``[B]``, fold on load: ring rows of the previous step.
+        previous_num_accepted: ``[B]``, fold on load: records to fold per request (0 or
+            more than RING_LEN fold nothing).
+        column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+
+    Raises:
+        ValueError: at graph-build time, for a bad rank, dtype or static shape. At run
+            time on the CPU, for a bad id, bad offsets, or a ring row both folded from
+            and recorded into, before anything is written. On the GPU, a request with
+            an out-of-range id is skipped and its readout is NaN.
+    """
+    parameters = fold_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype)
+    value_dim = parameters["V"]
+    _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
+    nv, nk, width = (_static(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
+    if nv is not None and nk is not None and width is not None:
+        expected = 2 * nk * parameters["K"] + nv * value_dim
+        if width != expected:
+            raise ValueError(f"qkv: width {width} differs from 2*nk*K + nv*V = {expected}")
+    tables = [
+        _check_vector("row_ids", row_ids),
+        _check_vector("ring_row_ids", ring_row_ids),
+        _check_vector("input_row_offsets", input_row_offsets),
+    ]
+    name = VERIFY_OP_NAME
+    if (previous_ring_row_ids is None) != (previous_num_accepted is None):
+        raise ValueError("previous_ring_row_ids, previous_num_accepted: give both for fold on load, or neither")
+    if previous_ring_row_ids is not None and previous_num_accepted is not None:
+        name = VERIFY_FOLD_ON_LOAD_OP_NAME
+        tables += [
+            _check_vector("previous_ring_row_ids", previous_ring_row_ids),
+            _check_vector("previous_num_accepted", previous_num_accepted),
+        ]
+    results = ops.inplace_custom(
+        name,
+        recurrent_state.device,
+        [qkv, decay, beta, recurrent_state, ring, *tables],
+        out_types=[_readout_type(qkv, recurrent_state, value_dim)],
+        parameters={
+            "K": parameters["K"],
+            "V": value_dim,
+            "RING_LEN": parameters["RING_LEN"],
+            "COLUMN_TILE": _check_column_tile(value_dim, column_tile),
+        },
+    )
+    return results[0].tensor
+
+
+def recurrence(
+    qkv: TensorValue,
+    decay: TensorValue,
+    beta: TensorValue,
+    recurrent_state: BufferValue,
+    row_ids: TensorValue,
+    input_row_offsets: TensorValue,
+    *,
+    column_tile: int | None = None,
+) -> TensorValue:
+    """Runs the recurrence over each request's tokens and commits its pool row.
+
+    The same arithmetic as :func:`verify_ring`, so running it over the accepted tokens
+    alone equals, bit for bit, a verify followed by the fold.
+
+    Args:
+        qkv: ``[T, 2*nk*K + nv*V]`` float32 (nk follows from the width).
+        decay, beta: ``[T, nv]`` float32.
+        recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer, updated
+            in place.
+        row_ids: ``[B]`` pool row of each request.
+        input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
+        column_tile: GPU only: value columns one block owns.
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+
+    Example:
+        >>> from max.graph import BufferType, DeviceRef, Graph
+        >>> from gdfold_max import kernels_path
+        >>> cpu = DeviceRef.CPU()
+        >>> with Graph("forward", input_types=[
+        ...         TensorType(DType.float32, ["T", 2 * 1 * 64 + 2 * 64], cpu),
+        ...         TensorType(DType.float32, ["T", 2], cpu),
+        ...         TensorType(DType.float32, ["T", 2], cpu),
+        ...         BufferType(DType.float32, [4, 2, 64, 64], cpu),
+        ...         TensorType(DType.uint32, ["B"], cpu),
+        ...         TensorType(DType.uint32, ["B1"], cpu)],
+        ...         custom_extensions=[kernels_path()]) as graph:
+        ...     qkv, decay, beta, pool, rows, offsets = graph.inputs
+        ...     out = recurrence(qkv.tensor, decay.tensor, beta.tensor, pool.buffer, rows.tensor, offsets.tensor)
+        ...     graph.output(out)
+        >>> out.shape
+        [Dim('T'), Dim(128)]
+    """
+    if recurrent_state.dtype not in (DType.float32, DType.bfloat16):
+        raise ValueError(f"recurrent_state: dtype {recurrent_state.dtype} is unsupported (float32 or bfloat16)")
+    if recurrent_state.rank != 4:
+        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {recurrent_state.rank}")
+    key_dim, value_dim = _static(recurrent_state.shape[2]), _static(recurrent_state.shape[3])
+    if key_dim is None or value_dim is None:
+        raise ValueError(
+            f"recurrent_state: K and V must be static, got {recurrent_state.shape[2]} and {recurrent_state.shape[3]}"
+        )
+    check_head_dim("recurrent_state: K", key_dim)
+    check_head_dim("recurrent_state: V", value_dim)
+    _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
+    nv, width = _static(recurrent_state.shape[1]), _static(qkv.shape[1])
+    if nv is not None and width is not None:
+        rest = width - nv * value_dim
+        if rest <= 0 or rest % (2 * key_dim) != 0 or nv % (rest // (2 * key_dim)) != 0:
+            raise ValueError(f"qkv: width {width} is not 2*nk*K + nv*V with nk dividing nv={nv}")
+    results = ops.inplace_custom(
+        RECURRENCE_OP_NAME,
+        recurrent_state.device,
+        [
+            qkv,
+            decay,
+            beta,
+            recurrent_state,
+            _check_vector("row_ids", row_ids),
+            _check_vector("input_row_offsets", input_row_offsets),
+        ],
+        out_types=[_readout_type(qkv, recurrent_state, value_dim)],
+        parameters={"K": key_dim, "V": value_dim, "COLUMN_TILE": _check_column_tile(value_dim, column_tile)},
+    )
+    return results[0].tensor

@@ -34,12 +34,13 @@ struct Recurrence:
         comptime assert (
             state_dtype == DType.float32 or state_dtype == DType.bfloat16
         ), "recurrent_state must be float32 or bfloat16"
-        # There is no ring: a null pointer and the row table stand in for the ring
-        # operands, which the kernels never touch when recording is off.
+        # There is no ring: the readout and the row table stand in for the ring
+        # operands (pointers cannot be null), which the kernels never touch when
+        # recording is off.
         run_windows[target, state_dtype, K, V, 1, COLUMN_TILE, False, False](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            Pointer[Float32, MutAnyOrigin](unsafe_from_address=0), IndexList[4](0, 0, 1, 0),
+            readout.unsafe_ptr(), IndexList[4](0, 0, 1, 0),
             qkv.unsafe_ptr(), qkv.shape(),
             decay.unsafe_ptr(), decay.shape(),
             beta.unsafe_ptr(), beta.shape(),

@@ -195,3 +195,88 @@ def spec_decode_case(
                 source="gdfold_max.cases.spec_decode_case (numpy reference verify + forward)")
     extras = dict(qkv=qkv, decay=decay, beta=beta, input_row_offsets=offsets)
     return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, extras=extras, meta=meta)
+
+
+@dataclass
+class WindowCase:
+    """The operands of one verify step (and of its fold-on-load variant) or forward.
+
+    ``previous_ring_row_ids`` name ring rows holding the previous step's records (random
+    records, NaN padding); ``ring_row_ids`` name other rows, all NaN, for the new ones.
+    """
+
+    qkv: NDArray
+    decay: NDArray
+    beta: NDArray
+    state: NDArray
+    ring: NDArray
+    row_ids: NDArray
+    ring_row_ids: NDArray
+    input_row_offsets: NDArray
+    previous_ring_row_ids: NDArray
+    previous_num_accepted: NDArray
+
+    @property
+    def num_key_heads(self) -> int:
+        return int(self.ring.shape[1])
+
+    def tokens(self) -> tuple[NDArray, NDArray, NDArray]:
+        return self.qkv, self.decay, self.beta
+
+    def fresh(self) -> tuple[NDArray, NDArray]:
+        """Copies of the pool and the ring, to be written by one run."""
+        return self.state.copy(), self.ring.copy()
+
+
+def random_window_case(
+    seed: int,
+    *,
+    windows: list[int] | None = None,
+    previous_num_accepted: list[int] | None = None,
+    num_value_heads: int = 4,
+    num_key_heads: int = 2,
+    key_dim: int = 64,
+    value_dim: int = 64,
+    ring_len: int = 4,
+    state_dtype: str = "float32",
+) -> WindowCase:
+    """A ragged batch of windows over a random pool, with previous records to fold.
+
+    ``windows`` defaults to token counts RING_LEN, 0, 1, RING_LEN + 2 (recorded as a
+    forward: it commits) and 2; ``previous_num_accepted`` to RING_LEN, 1, 0,
+    RING_LEN + 1 (nothing to fold) and 2.
+    """
+    rng = np.random.default_rng(seed)
+    dtype = _state_dtype(state_dtype)
+    windows = windows if windows is not None else [ring_len, 0, 1, ring_len + 2, 2]
+    batch = len(windows)
+    counts = previous_num_accepted if previous_num_accepted is not None else [ring_len, 1, 0, ring_len + 1, 2]
+    counts = [counts[b % len(counts)] for b in range(batch)]
+    layout = RecordLayout(key_dim, value_dim, num_value_heads // num_key_heads)
+    offsets = np.concatenate([[0], np.cumsum(windows)]).astype(np.uint32)
+    tokens = int(offsets[-1])
+    width = 2 * num_key_heads * key_dim + num_value_heads * value_dim
+    rows = rng.permutation(batch + 2)[:batch].astype(np.uint32)
+    ring_rows = rng.permutation(2 * batch + 1)
+    previous_rows, new_rows = ring_rows[:batch].astype(np.uint32), ring_rows[batch : 2 * batch].astype(np.uint32)
+    state = (0.1 * rng.standard_normal((batch + 2, num_value_heads, key_dim, value_dim))).astype(np.float32)
+    ring = np.full((2 * batch + 1, num_key_heads, ring_len, layout.min_stride), np.nan, np.float32)
+    records = ring[previous_rows]
+    records[..., :key_dim] = rng.standard_normal(records[..., :key_dim].shape)
+    deltas = slice(layout.delta_offset(0), layout.decay_offset(0))
+    records[..., deltas] = 0.1 * rng.standard_normal(records[..., deltas].shape)
+    decays = slice(layout.decay_offset(0), layout.elements)
+    records[..., decays] = rng.uniform(0.6, 1.0, records[..., decays].shape)
+    ring[previous_rows] = records
+    return WindowCase(
+        qkv=rng.standard_normal((tokens, width)).astype(np.float32),
+        decay=rng.uniform(0.6, 1.0, (tokens, num_value_heads)).astype(np.float32),
+        beta=rng.uniform(0.0, 1.0, (tokens, num_value_heads)).astype(np.float32),
+        state=state.astype(dtype),
+        ring=ring,
+        row_ids=rows,
+        ring_row_ids=new_rows,
+        input_row_offsets=offsets,
+        previous_ring_row_ids=previous_rows,
+        previous_num_accepted=np.asarray(counts, np.uint32),
+    )

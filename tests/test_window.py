@@ -1,0 +1,128 @@
+"""The verify (plain and fold on load) and the forward, against the numpy reference and
+against each other, bit for bit, on the CPU and (marked ``gpu``) on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_bits_equal
+from gdfold_max import reference
+from gdfold_max.cases import WindowCase, random_window_case
+from gdfold_max.eager import folder_for
+from gdfold_max.window_eager import WindowRunner, runner_for
+
+DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+DTYPES = ["float32", "bfloat16"]
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def runner(device: str) -> WindowRunner:
+    return runner_for(device)
+
+
+def reference_verify(case: WindowCase, *, fold_on_load: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    state, ring = case.fresh()
+    previous = {}
+    if fold_on_load:
+        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                    "previous_num_accepted": case.previous_num_accepted}
+    out = reference.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids,
+                                case.input_row_offsets, **previous)
+    return out, state, ring
+
+
+def run_verify(runner: WindowRunner, case: WindowCase, *, fold_on_load: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    state, ring = case.fresh()
+    previous = {}
+    if fold_on_load:
+        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                    "previous_num_accepted": case.previous_num_accepted}
+    out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids,
+                             case.input_row_offsets, **previous)
+    return out, state, ring
+
+
+def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], what: str) -> None:
+    for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
+        assert_bits_equal(a, b, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
+    case = random_window_case(1, state_dtype=state_dtype)
+    got = run_verify(runner, case, fold_on_load=False)
+    assert_same_step(got, reference_verify(case, fold_on_load=False), "verify vs reference")
+    # The pool is only read, except the request whose window is past RING_LEN.
+    committed = case.row_ids[3]
+    untouched = np.setdiff1d(np.arange(case.state.shape[0]), [committed])
+    assert_bits_equal(got[1][untouched], case.state[untouched], "rows a verify may not write")
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_fold_on_load_equals_fold_then_verify(runner: WindowRunner, device: str, state_dtype: str) -> None:
+    case = random_window_case(2, state_dtype=state_dtype)
+    fused = run_verify(runner, case, fold_on_load=True)
+
+    state, ring = case.fresh()
+    folder_for(device).fold(state, ring, case.row_ids[None], case.previous_ring_row_ids[None],
+                            case.previous_num_accepted)
+    out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets)
+    assert_same_step(fused, (out, state, ring), "fold on load vs fold then verify")
+    assert_same_step(fused, reference_verify(case, fold_on_load=True), "fold on load vs reference")
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_recurrence_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
+    # Windows longer than a GPU block's token chunk, and an empty one.
+    case = random_window_case(3, state_dtype=state_dtype, windows=[9, 0, 1, 5])
+    state = case.state.copy()
+    out = runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
+    want_state = case.state.copy()
+    want = reference.recurrence_fwd(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
+                                    num_key_heads=case.num_key_heads)
+    assert_bits_equal(out, want, "readout")
+    assert_bits_equal(state, want_state, "pool")
+
+
+def test_verify_then_fold_equals_forward_over_accepted_tokens(runner: WindowRunner, device: str) -> None:
+    """The product's promise, with our own ops end to end."""
+    ring_len = 4
+    case = random_window_case(4, windows=[4, 4, 3, 4], ring_len=ring_len)
+    accepted = np.array([4, 0, 2, 1], np.uint32)
+    state, ring = case.fresh()
+    runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets)
+    folder_for(device).fold(state, ring, case.row_ids[None], case.ring_row_ids[None], accepted)
+
+    starts = case.input_row_offsets[:-1]
+    kept = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, accepted, strict=True)]).astype(np.int64)
+    kept_offsets = np.concatenate([[0], np.cumsum(accepted)]).astype(np.uint32)
+    forward = case.state.copy()
+    readout = runner.recurrence(case.qkv[kept], case.decay[kept], case.beta[kept], forward, case.row_ids,
+                                kept_offsets)
+    assert_bits_equal(state, forward, "verify + fold vs forward over the accepted tokens")
+    verify_readout = runner.verify_ring(*case.tokens(), case.state.copy(), case.ring.copy(), case.row_ids,
+                                        case.ring_row_ids, case.input_row_offsets)
+    assert_bits_equal(verify_readout[kept], readout, "readout of the accepted tokens")
+
+
+def test_two_steps_of_fold_on_load_alternating_ring_rows(runner: WindowRunner, device: str) -> None:
+    """Step 2 folds step 1's records from the rows step 1 wrote, and writes the others."""
+    case = random_window_case(5, windows=[4, 3, 4, 2, 1])
+    state, ring = case.fresh()
+    want_state, want_ring = case.fresh()
+    rows_a, rows_b = case.previous_ring_row_ids, case.ring_row_ids
+    for step, (read, write) in enumerate(((rows_a, rows_b), (rows_b, rows_a))):
+        accepted = np.array([4, 1, 0, 2, 5], np.uint32) if step else case.previous_num_accepted
+        out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, write, case.input_row_offsets,
+                                 previous_ring_row_ids=read, previous_num_accepted=accepted)
+        want = reference.verify_ring(*case.tokens(), want_state, want_ring, case.row_ids, write,
+                                     case.input_row_offsets, previous_ring_row_ids=read,
+                                     previous_num_accepted=accepted)
+        assert_same_step((out, state, ring), (want, want_state, want_ring), f"step {step}")

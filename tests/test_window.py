@@ -126,3 +126,41 @@ def test_two_steps_of_fold_on_load_alternating_ring_rows(runner: WindowRunner, d
                                      case.input_row_offsets, previous_ring_row_ids=read,
                                      previous_num_accepted=accepted)
         assert_same_step((out, state, ring), (want, want_state, want_ring), f"step {step}")
+
+
+@pytest.mark.gpu
+def test_gpu_window_skips_out_of_range_ids() -> None:
+    """Inside a graph the GPU trusts its tables but never follows an id out of bounds:
+    that request is skipped and its readout is NaN; every other request is exact."""
+    from max.driver import CPU, Buffer
+    from max.dtype import DType
+
+    from gdfold_max.eager import _copy_back, _host_buffer
+
+    runner = runner_for("gpu")
+    case = random_window_case(6, windows=[4, 2, 3])
+    bad_rows = case.row_ids.copy()
+    bad_rows[1] = 0xFFFFFFFF
+    parameters = {"K": 64, "V": 64, "RING_LEN": 4}
+    model = runner.model("fold_on_load", DType.float32, parameters)
+
+    def up(array: np.ndarray) -> Buffer:
+        return _host_buffer(np.ascontiguousarray(array)).to(runner.device)
+
+    state, ring = case.fresh()
+    pool, ring_buffer = up(state), up(ring)
+    tables = (bad_rows, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
+              case.previous_num_accepted)
+    (out,) = model.execute(*(up(x) for x in case.tokens()), pool, ring_buffer, *(up(t) for t in tables))
+    _copy_back(pool, state)
+    _copy_back(ring_buffer, ring)
+    readout = np.asarray(out.to(CPU()).to_numpy())
+
+    want = reference_verify(case, fold_on_load=True)
+    skipped = slice(int(case.input_row_offsets[1]), int(case.input_row_offsets[2]))
+    assert np.isnan(readout[skipped]).all()
+    kept = np.r_[0 : skipped.start, skipped.stop : readout.shape[0]]
+    assert_bits_equal(readout[kept], want[0][kept], "readout of the other requests")
+    others = [int(case.row_ids[0]), int(case.row_ids[2])]
+    assert_bits_equal(state[others], want[1][others], "pool rows of the other requests")
+    assert_bits_equal(state[int(case.row_ids[1])], case.state[int(case.row_ids[1])], "the skipped request's row")

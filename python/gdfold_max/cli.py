@@ -157,5 +157,33 @@ def bench(
     console.print(f"wrote {json_out}")
 
 
+@app.command("bench-step")
+def bench_step(
+    batches: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,64,256",
+    dtypes: Annotated[str, typer.Option(help="State dtypes.")] = "float32",
+    chain: Annotated[int, typer.Option(help="Steps chained in the long graph.")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
+    column_tile: Annotated[int | None, typer.Option(help="Value columns per GPU block of our verify.")] = None,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
+        "bench-step-results.json"
+    ),
+) -> None:
+    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused (GPU only)."""
+    from max.driver import accelerator_count
+    from max.dtype import DType
+
+    from .bench_step import render_steps, run_step_bench, write_step_json
+
+    if accelerator_count() == 0:
+        console.print("bench-step needs a GPU: MAX's verify and fold have no CPU path")
+        raise typer.Exit(2)
+    dtype_list = [DType.float32 if d == "float32" else DType.bfloat16 for d in dtypes.split(",")]
+    rows = run_step_bench([int(b) for b in batches.split(",")], dtype_list, chain=chain, repeats=repeats,
+                          column_tile=column_tile, console=console)
+    render_steps(rows, console)
+    write_step_json(rows, str(json_out))
+    console.print(f"wrote {json_out}")
+
+
 def main() -> None:
     app()

@@ -16,8 +16,17 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from .eager import ArrayOrBuffer, DeviceLike, _check_ids, _copy_back, _describe, _host_buffer, _host_table, _Operand
-from .eager import resolve_device
+from .eager import (
+    ArrayOrBuffer,
+    DeviceLike,
+    _check_ids,
+    _copy_back,
+    _describe,
+    _host_buffer,
+    _host_table,
+    _Operand,
+    resolve_device,
+)
 from .graph import STATE_DTYPES, check_head_dim, fold_parameters, kernels_path
 from .window_graph import default_column_tile, recurrence, verify_ring
 
@@ -81,7 +90,10 @@ class WindowCall:
 
 
 def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_heads: int) -> tuple[_Operand, ...]:
-    operands = tuple(_describe(name, value, device, writable=False) for name, value in zip(_TOKEN_INPUTS, (qkv, decay, beta), strict=True))
+    operands = tuple(
+        _describe(name, value, device, writable=False)
+        for name, value in zip(_TOKEN_INPUTS, (qkv, decay, beta), strict=True)
+    )
     for operand in operands:
         if operand.dtype != DType.float32:
             raise ValueError(f"{operand.name}: dtype {operand.dtype} is unsupported (float32)")
@@ -191,18 +203,18 @@ class WindowRunner:
                    for i in range(tables)]
         name = f"gdfold_{kind}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
         with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
-            values = [x.tensor for x in graph.inputs[:3]]
+            qkv, decay, beta = (x.tensor for x in graph.inputs[:3])
             state = graph.inputs[3].buffer
             if kind == "forward":
                 rows, offsets = (x.tensor for x in graph.inputs[4:])
-                out = recurrence(*values, state, rows, offsets, column_tile=tile)
+                out = recurrence(qkv, decay, beta, state, rows, offsets, column_tile=tile)
             else:
                 ring = graph.inputs[4].buffer
                 rest = [x.tensor for x in graph.inputs[5:]]
-                previous = {}
-                if kind == "fold_on_load":
-                    previous = {"previous_ring_row_ids": rest[3], "previous_num_accepted": rest[4]}
-                out = verify_ring(*values, state, ring, rest[0], rest[1], rest[2], column_tile=tile, **previous)
+                fold_on_load = kind == "fold_on_load"
+                out = verify_ring(qkv, decay, beta, state, ring, rest[0], rest[1], rest[2],
+                                  previous_ring_row_ids=rest[3] if fold_on_load else None,
+                                  previous_num_accepted=rest[4] if fold_on_load else None, column_tile=tile)
             graph.output(out)
         return graph
 

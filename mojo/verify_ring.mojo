@@ -21,7 +21,8 @@ struct VerifyRing:
 
     @staticmethod
     def execute[
-        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
+        REQUESTS_PER_BLOCK: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -39,7 +40,7 @@ struct VerifyRing:
             state_dtype == DType.float32 or state_dtype == DType.bfloat16
         ), "recurrent_state must be float32 or bfloat16"
         # No previous records: the ring-row table stands in for the unused tables.
-        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, True, False](
+        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, True, False](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             ring.unsafe_ptr(), ring.shape(),
@@ -62,7 +63,8 @@ struct VerifyRingFoldOnLoad:
 
     @staticmethod
     def execute[
-        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
+        REQUESTS_PER_BLOCK: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -81,7 +83,7 @@ struct VerifyRingFoldOnLoad:
         comptime assert (
             state_dtype == DType.float32 or state_dtype == DType.bfloat16
         ), "recurrent_state must be float32 or bfloat16"
-        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, True, True](
+        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, True, True](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             ring.unsafe_ptr(), ring.shape(),

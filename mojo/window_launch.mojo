@@ -8,6 +8,7 @@ bounds: it skips that request and fills its readout with NaN.
 """
 
 from max.gpu.host import DeviceContext
+from std.math import ceildiv
 from std.utils import IndexList
 
 from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
@@ -92,6 +93,7 @@ def run_windows[
     V: Int,
     RING_LEN: Int,
     COLUMN_TILE: Int,
+    REQUESTS_PER_BLOCK: Int,
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
 ](
@@ -126,6 +128,7 @@ def run_windows[
         and COLUMN_TILE % THREAD_COLUMNS == 0
         and V % COLUMN_TILE == 0
     ), "COLUMN_TILE must be a multiple of 4 that divides V"
+    comptime assert REQUESTS_PER_BLOCK >= 1, "REQUESTS_PER_BLOCK must be at least 1"
     var num_value_heads = state_dims[1]
     var num_key_heads: Int
     comptime if RECORD:
@@ -188,14 +191,17 @@ def run_windows[
         )
     elif target == "gpu":
         comptime kernel = windows_gpu_kernel[
-            state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE
+            state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE,
+            REQUESTS_PER_BLOCK,
         ]
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted,
-            Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows),
+            Int32(batch), Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows),
             Int32(num_value_heads), Int32(num_key_heads), Int32(record_stride),
-            grid_dim=(num_value_heads * (V // COLUMN_TILE), batch),
+            grid_dim=(
+                num_value_heads * (V // COLUMN_TILE), ceildiv(batch, REQUESTS_PER_BLOCK)
+            ),
             block_dim=window_block_threads[COLUMN_TILE](),
         )
     else:

@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import TypeAlias
 
 import numpy as np
 from max.driver import Accelerator, Buffer, Device
@@ -35,6 +36,9 @@ from .graph import kernels_path, state_fold
 from .window_graph import verify_ring
 
 VARIANTS = ("max", "ours", "fused")
+
+#: GPU keywords of :func:`verify_ring` (``column_tile``, ``requests_per_block``).
+WindowTiling: TypeAlias = dict[str, int]
 STATE_PASSES = {"max": 3, "ours": 3, "fused": 2}
 
 
@@ -55,9 +59,9 @@ class StepGraphs:
     """Compiled graphs of 1 and R chained decoding steps for each variant."""
 
     def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int,
-                 column_tile: int | None = None) -> None:
+                 tiling: WindowTiling | None = None) -> None:
         self.session, self.device, self.shape, self.chain = session, device, shape, chain
-        self.column_tile = column_tile
+        self.tiling: WindowTiling = tiling or {}
         self._models: dict[tuple[str, DType, int], Model] = {}
 
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType]) -> None:
@@ -117,13 +121,13 @@ class StepGraphs:
         elif variant == "ours":
             for layer in range(s.num_layers):
                 readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
-                                      column_tile=self.column_tile)
+                                      **self.tiling)
             state_fold(pool, ring, rows, ring_rows, accepted)
         else:
             for layer in range(s.num_layers):
                 readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
                                       previous_ring_row_ids=previous_rows[layer], previous_num_accepted=accepted,
-                                      column_tile=self.column_tile)
+                                      **self.tiling)
         assert readout is not None
         return readout
 
@@ -171,14 +175,15 @@ def run_step_bench(
     shape: FoldShape | None = None,
     chain: int = 3,
     repeats: int = 5,
-    column_tile: int | None = None,
+    tiling: WindowTiling | None = None,
     console: Console | None = None,
 ) -> list[StepRow]:
+    """Measures the three variants for every (dtype, batch) and returns the rows."""
     shape = shape or FoldShape()
     console = console or Console()
     device = Accelerator()
     session = InferenceSession(devices=[device])
-    graphs = StepGraphs(session, device, shape, chain, column_tile)
+    graphs = StepGraphs(session, device, shape, chain, tiling)
     batches, dtypes = list(batches), list(dtypes)
     console.print("compiling the step graphs ...")
     graphs.compile_all(VARIANTS, dtypes)
@@ -206,6 +211,36 @@ def run_step_bench(
                     ))
                 del operands
     return rows
+
+
+def sweep_fused_tilings(
+    tilings: Sequence[WindowTiling],
+    batch: int,
+    state_dtype: DType = DType.float32,
+    *,
+    shape: FoldShape | None = None,
+    chain: int = 3,
+    repeats: int = 5,
+    console: Console | None = None,
+) -> list[tuple[WindowTiling, float]]:
+    """Per-step time of the fused variant for each GPU tiling, at one batch."""
+    shape = shape or FoldShape()
+    console = console or Console()
+    device = Accelerator()
+    session = InferenceSession(devices=[device])
+    every = [StepGraphs(session, device, shape, chain, tiling) for tiling in tilings]
+    built = [(g, (g._build("fused", state_dtype, r), ("fused", state_dtype, r))) for g in every for r in (1, chain)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        models = list(pool.map(session.load, [graph for _, (graph, _) in built]))
+    for (g, (_, key)), model in zip(built, models, strict=True):
+        g._models[key] = model
+    operands = make_step_operands(device, shape, batch, state_dtype)
+    results = []
+    for tiling, graphs in zip(tilings, every, strict=True):
+        seconds = graphs.per_step_seconds("fused", state_dtype, operands, repeats)
+        console.print(f"fused {state_dtype.name} batch {batch} {tiling}: {seconds * 1e6:.1f} µs per step")
+        results.append((tiling, seconds))
+    return results
 
 
 def render_steps(rows: Sequence[StepRow], console: Console) -> None:

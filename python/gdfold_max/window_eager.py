@@ -28,7 +28,7 @@ from .eager import (
     resolve_device,
 )
 from .graph import STATE_DTYPES, check_head_dim, fold_parameters, kernels_path
-from .window_graph import default_column_tile, recurrence, verify_ring
+from .window_graph import recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 
@@ -168,11 +168,14 @@ class WindowRunner:
     Args:
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
+        requests_per_block: GPU only: requests one block runs in turn.
     """
 
-    def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None) -> None:
+    def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,
+                 requests_per_block: int | None = None) -> None:
         self.device = resolve_device(device)
         self.column_tile = column_tile
+        self.requests_per_block = requests_per_block
         self._session = InferenceSession(devices=[self.device])
         self._models: dict[tuple[object, ...], Model] = {}
         self._lock = threading.Lock()
@@ -188,7 +191,7 @@ class WindowRunner:
     def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
-        tile = self.column_tile or default_column_tile(v)
+        tiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block}
         f32, u32 = DType.float32, DType.uint32
         inputs = [
             TensorType(f32, ["tokens", "width"], where),
@@ -207,14 +210,14 @@ class WindowRunner:
             state = graph.inputs[3].buffer
             if kind == "forward":
                 rows, offsets = (x.tensor for x in graph.inputs[4:])
-                out = recurrence(qkv, decay, beta, state, rows, offsets, column_tile=tile)
+                out = recurrence(qkv, decay, beta, state, rows, offsets, **tiling)
             else:
                 ring = graph.inputs[4].buffer
                 rest = [x.tensor for x in graph.inputs[5:]]
                 fold_on_load = kind == "fold_on_load"
                 out = verify_ring(qkv, decay, beta, state, ring, rest[0], rest[1], rest[2],
                                   previous_ring_row_ids=rest[3] if fold_on_load else None,
-                                  previous_num_accepted=rest[4] if fold_on_load else None, column_tile=tile)
+                                  previous_num_accepted=rest[4] if fold_on_load else None, **tiling)
             graph.output(out)
         return graph
 

@@ -18,8 +18,11 @@ VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
 
 #: Value columns one GPU block owns, at most (a multiple of 4 dividing V). Smaller
-#: tiles make more blocks for small batches; 64 measured best on an H200.
+#: tiles make more blocks for small batches.
 PREFERRED_COLUMN_TILE = 64
+
+#: Requests one GPU block runs in turn, loading the next one's state while it computes.
+PREFERRED_REQUESTS_PER_BLOCK = 2
 
 
 def default_column_tile(value_dim: int) -> int:
@@ -39,6 +42,14 @@ def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
     if tile < 4 or tile % 4 != 0 or value_dim % tile != 0:
         raise ValueError(f"column_tile: {tile} must be a multiple of 4 that divides V={value_dim}")
     return tile
+
+
+def gpu_tiling(value_dim: int, column_tile: int | None, requests_per_block: int | None) -> dict[str, int]:
+    """The window ops' GPU parameters, checked (the CPU path ignores them)."""
+    requests = PREFERRED_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
+    if requests < 1:
+        raise ValueError(f"requests_per_block: {requests} must be at least 1")
+    return {"COLUMN_TILE": _check_column_tile(value_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
 
 
 def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue, num_value_heads: Dim) -> None:
@@ -83,6 +94,7 @@ def verify_ring(
     previous_ring_row_ids: TensorValue | None = None,
     previous_num_accepted: TensorValue | None = None,
     column_tile: int | None = None,
+    requests_per_block: int | None = None,
 ) -> TensorValue:
     """Runs each request's verify window, recording into the ring; returns the readout.
 
@@ -121,6 +133,7 @@ def verify_ring(
         previous_num_accepted: ``[B]``, fold on load: records to fold per request (0 or
             more than RING_LEN fold nothing).
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
+        requests_per_block: GPU only: requests one block runs in turn.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -162,7 +175,7 @@ def verify_ring(
             "K": parameters["K"],
             "V": value_dim,
             "RING_LEN": parameters["RING_LEN"],
-            "COLUMN_TILE": _check_column_tile(value_dim, column_tile),
+            **gpu_tiling(value_dim, column_tile, requests_per_block),
         },
     )
     return results[0].tensor
@@ -177,6 +190,7 @@ def recurrence(
     input_row_offsets: TensorValue,
     *,
     column_tile: int | None = None,
+    requests_per_block: int | None = None,
 ) -> TensorValue:
     """Runs the recurrence over each request's tokens and commits its pool row.
 
@@ -191,6 +205,7 @@ def recurrence(
         row_ids: ``[B]`` pool row of each request.
         input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
         column_tile: GPU only: value columns one block owns.
+        requests_per_block: GPU only: requests one block runs in turn.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -242,6 +257,6 @@ def recurrence(
             _check_vector("input_row_offsets", input_row_offsets),
         ],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters={"K": key_dim, "V": value_dim, "COLUMN_TILE": _check_column_tile(value_dim, column_tile)},
+        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(value_dim, column_tile, requests_per_block)},
     )
     return results[0].tensor

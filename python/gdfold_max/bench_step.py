@@ -213,36 +213,6 @@ def run_step_bench(
     return rows
 
 
-def sweep_fused_tilings(
-    tilings: Sequence[WindowTiling],
-    batch: int,
-    state_dtype: DType = DType.float32,
-    *,
-    shape: FoldShape | None = None,
-    chain: int = 3,
-    repeats: int = 5,
-    console: Console | None = None,
-) -> list[tuple[WindowTiling, float]]:
-    """Per-step time of the fused variant for each GPU tiling, at one batch."""
-    shape = shape or FoldShape()
-    console = console or Console()
-    device = Accelerator()
-    session = InferenceSession(devices=[device])
-    every = [StepGraphs(session, device, shape, chain, tiling) for tiling in tilings]
-    built = [(g, (g._build("fused", state_dtype, r), ("fused", state_dtype, r))) for g in every for r in (1, chain)]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        models = list(pool.map(session.load, [graph for _, (graph, _) in built]))
-    for (g, (_, key)), model in zip(built, models, strict=True):
-        g._models[key] = model
-    operands = make_step_operands(device, shape, batch, state_dtype)
-    results = []
-    for tiling, graphs in zip(tilings, every, strict=True):
-        seconds = graphs.per_step_seconds("fused", state_dtype, operands, repeats)
-        console.print(f"fused {state_dtype.name} batch {batch} {tiling}: {seconds * 1e6:.1f} µs per step")
-        results.append((tiling, seconds))
-    return results
-
-
 def render_steps(rows: Sequence[StepRow], console: Console) -> None:
     table = Table(title="one decoding step's state work (36 layers): verify + fold")
     for column in ("variant", "dtype", "batch", "step µs", "state GB moved", "state TB/s", "speed-up vs MAX"):

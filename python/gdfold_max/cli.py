@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from enum import StrEnum
 from pathlib import Path
@@ -166,9 +165,6 @@ def bench_step(
     repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
     column_tile: Annotated[int | None, typer.Option(help="Value columns per GPU block of our verify.")] = None,
     requests_per_block: Annotated[int | None, typer.Option(help="Requests per GPU block of our verify.")] = None,
-    sweep: Annotated[str | None, typer.Option(
-        help="Instead: time the fused step at the first batch for tilings 'TILExREQUESTS,...', e.g. 32x1,64x2."
-    )] = None,
     json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
         "bench-step-results.json"
     ),
@@ -177,20 +173,13 @@ def bench_step(
     from max.driver import accelerator_count
     from max.dtype import DType
 
-    from .bench_step import render_steps, run_step_bench, sweep_fused_tilings, write_step_json
+    from .bench_step import render_steps, run_step_bench, write_step_json
 
     if accelerator_count() == 0:
         console.print("bench-step needs a GPU: MAX's verify and fold have no CPU path")
         raise typer.Exit(2)
     dtype_list = [DType.float32 if d == "float32" else DType.bfloat16 for d in dtypes.split(",")]
     batch_list = [int(b) for b in batches.split(",")]
-    if sweep:
-        tilings = [{"column_tile": int(t), "requests_per_block": int(r)}
-                   for t, r in (item.split("x") for item in sweep.split(","))]
-        results = sweep_fused_tilings(tilings, batch_list[0], dtype_list[0], chain=chain, repeats=repeats,
-                                      console=console)
-        json_out.write_text(json.dumps([{**t, "step_us": s * 1e6} for t, s in results], indent=2))
-        return
     tiling = {k: v for k, v in (("column_tile", column_tile), ("requests_per_block", requests_per_block))
               if v is not None}
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, tiling=tiling, console=console)

@@ -1,17 +1,35 @@
-"""Runs one layer's fused verify (fold on load) at Qwen3-Next shapes, for a profiler."""
+"""Runs one layer's fused verify (fold on load) at Qwen3-Next shapes, three times, so a
+profiler can attach to it:
+
+    ncu --launch-skip 2 --launch-count 1 --section LaunchStats --section Occupancy \\
+        python bench/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH
+"""
+
+from __future__ import annotations
+
 import sys
+
 from max.driver import Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
+
 from gdfold_max.bench import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
-tile, requests, batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-shape = FoldShape(num_layers=1)
-device = Accelerator()
-graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2, {"column_tile": tile, "requests_per_block": requests})
-graphs.compile_all(["fused"], [DType.float32])
-ops = make_step_operands(device, shape, batch, DType.float32)
-model = graphs._models[("fused", DType.float32, 1)]
-for _ in range(3):
-    model.execute(*ops)
-device.synchronize()
+
+
+def main() -> None:
+    tile, requests, batch = (int(arg) for arg in sys.argv[1:4])
+    shape = FoldShape(num_layers=1)
+    device = Accelerator()
+    graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
+                        {"column_tile": tile, "requests_per_block": requests})
+    graphs.compile_all(["fused"], [DType.float32])
+    operands = make_step_operands(device, shape, batch, DType.float32)
+    model = graphs.model("fused", DType.float32, 1)
+    for _ in range(3):
+        model.execute(*operands)
+    device.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -131,9 +131,13 @@ class StepGraphs:
         assert readout is not None
         return readout
 
+    def model(self, variant: str, state_dtype: DType, steps: int) -> Model:
+        """A graph compiled by :meth:`compile_all`."""
+        return self._models[(variant, state_dtype, steps)]
+
     def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
         def timed(steps: int) -> float:
-            model = self._models[(variant, state_dtype, steps)]
+            model = self.model(variant, state_dtype, steps)
 
             def run() -> None:
                 model.execute(*operands)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from conftest import CONFORMANCE_DIR
@@ -17,7 +18,7 @@ runner = CliRunner()
 def test_help_lists_every_command() -> None:
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("demo", "check", "record", "bench"):
+    for command in ("demo", "check", "record", "bench", "bench-step"):
         assert command in result.output
 
 
@@ -49,3 +50,13 @@ def test_check_reports_a_mismatch(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "mismatch" in result.output
     assert " 3 " in result.output  # three elements differ in that row
+
+
+def test_bench_step_says_it_needs_a_gpu() -> None:
+    from max.driver import accelerator_count
+
+    if accelerator_count() > 0:
+        pytest.skip("this machine has a GPU")
+    result = runner.invoke(app, ["bench-step", "--batches", "1"])
+    assert result.exit_code == 2
+    assert "bench-step needs a GPU" in result.output

@@ -96,7 +96,7 @@ def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_head
     )
     for operand in operands:
         if operand.dtype != DType.float32:
-            raise ValueError(f"{operand.name}: dtype {operand.dtype} is unsupported (float32)")
+            raise ValueError(f"{operand.name}: dtype {operand.dtype.name} is unsupported (float32)")
         if len(operand.shape) != 2:
             raise ValueError(f"{operand.name}: expected rank 2, got shape {list(operand.shape)}")
     num_tokens = operands[0].shape[0]

@@ -55,7 +55,7 @@ def gpu_tiling(value_dim: int, column_tile: int | None, requests_per_block: int 
 def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue, num_value_heads: Dim) -> None:
     for name, value in (("qkv", qkv), ("decay", decay), ("beta", beta)):
         if value.dtype != DType.float32:
-            raise ValueError(f"{name}: dtype {value.dtype} is unsupported (float32)")
+            raise ValueError(f"{name}: dtype {value.dtype.name} is unsupported (float32)")
         if value.rank != 2:
             raise ValueError(f"{name}: expected rank 2, got shape {_shape_text(list(value.shape))}")
     tokens = [_static(v.shape[0]) for v in (qkv, decay, beta)]

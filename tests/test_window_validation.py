@@ -1,0 +1,175 @@
+"""Bad input to the verify and the forward: a clear error naming the argument and the bad
+value, and nothing written (pool and ring bits unchanged)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import assert_bits_equal
+from gdfold_max.cases import WindowCase, random_window_case
+from gdfold_max.window_eager import runner_for
+
+
+def _case() -> WindowCase:
+    return random_window_case(11)
+
+
+def _verify_kwargs(case: WindowCase) -> dict[str, Any]:
+    return {
+        "qkv": case.qkv, "decay": case.decay, "beta": case.beta,
+        "row_ids": case.row_ids, "ring_row_ids": case.ring_row_ids, "input_row_offsets": case.input_row_offsets,
+        "previous_ring_row_ids": case.previous_ring_row_ids, "previous_num_accepted": case.previous_num_accepted,
+    }
+
+
+def _bad_rows(case: WindowCase) -> dict[str, Any]:
+    rows = case.row_ids.copy()
+    rows[2] = case.state.shape[0]
+    return {"row_ids": rows}
+
+
+def _bad_ring_rows(case: WindowCase) -> dict[str, Any]:
+    rows = case.ring_row_ids.copy()
+    rows[0] = case.ring.shape[0] + 3
+    return {"ring_row_ids": rows}
+
+
+def _bad_previous_rows(case: WindowCase) -> dict[str, Any]:
+    rows = case.previous_ring_row_ids.copy()
+    rows[1] = 1 << 20
+    return {"previous_ring_row_ids": rows}
+
+
+def _overlap(case: WindowCase) -> dict[str, Any]:
+    rows = case.ring_row_ids.copy()
+    rows[4] = case.previous_ring_row_ids[0]  # request 4 records where request 0 folds from
+    return {"ring_row_ids": rows}
+
+
+def _offsets(values: list[int]) -> Callable[[WindowCase], dict[str, Any]]:
+    return lambda case: {"input_row_offsets": np.asarray(values, np.uint32)}
+
+
+BAD_INPUTS: dict[str, tuple[Callable[[WindowCase], dict[str, Any]], type[Exception], str]] = {
+    "row id past the pool": (_bad_rows, ValueError, "row_ids: id 7 at flat index 2 is out of range (must be < 7)"),
+    "ring row id past the ring": (_bad_ring_rows, ValueError, "ring_row_ids: id 14 at flat index 0 is out of range"),
+    "previous ring row id past the ring": (_bad_previous_rows, ValueError,
+                                           "previous_ring_row_ids: id 1048576 at flat index 1 is out of range"),
+    "negative row id": (lambda c: {"row_ids": np.array([0, -1, 2, 3, 4])}, ValueError,
+                        "row_ids: negative id -1 at flat index 1"),
+    "float row ids": (lambda c: {"row_ids": c.row_ids.astype(np.float32)}, ValueError,
+                      "row_ids: dtype float32 is not an integer dtype"),
+    "ring row recorded into and folded from": (_overlap, ValueError,
+                                               "ring_row_ids: request 4 records into ring row"),
+    "offsets not starting at 0": (_offsets([1, 4, 4, 5, 11, 13]), ValueError,
+                                  "input_row_offsets: must start at 0, got 1"),
+    "decreasing offsets": (_offsets([0, 4, 3, 5, 11, 13]), ValueError,
+                           "input_row_offsets: decreases at index 2 (4 then 3)"),
+    "offsets short of the tokens": (_offsets([0, 4, 4, 5, 11, 12]), ValueError,
+                                    "input_row_offsets: ends at 12, but qkv has 13 tokens"),
+    "offsets of the wrong length": (_offsets([0, 4, 4, 5, 13]), ValueError,
+                                    "input_row_offsets: length 5 differs from batch + 1 (6)"),
+    "ring rows of the wrong length": (lambda c: {"ring_row_ids": c.ring_row_ids[:4]}, ValueError,
+                                      "ring_row_ids: length 4 differs from the batch of row_ids (5)"),
+    "qkv of the wrong width": (lambda c: {"qkv": c.qkv[:, :-8]}, ValueError,
+                               "qkv: width 504 differs from 2*nk*K + nv*V = 512"),
+    "qkv in float64": (lambda c: {"qkv": c.qkv.astype(np.float64)}, ValueError,
+                       "qkv: dtype float64 is unsupported (float32)"),
+    "decay per key head": (lambda c: {"decay": c.decay[:, :2]}, ValueError, "decay: expected [13, 4], got [13, 2]"),
+    "beta one token short": (lambda c: {"beta": c.beta[:-1]}, ValueError, "beta: expected [13, 4], got [12, 4]"),
+    "only one previous table": (lambda c: {"previous_num_accepted": None}, ValueError,
+                                "previous_ring_row_ids, previous_num_accepted: give both"),
+    "qkv as a list": (lambda c: {"qkv": c.qkv.tolist()}, TypeError, "qkv: expected a numpy array"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_verify_input_is_refused_and_nothing_is_written(name: str) -> None:
+    change, error, message = BAD_INPUTS[name]
+    case = _case()
+    pool, ring = case.fresh()
+    kwargs = _verify_kwargs(case) | change(case)
+    with pytest.raises(error) as raised:
+        runner_for("cpu").verify_ring(recurrent_state=pool, ring=ring, **kwargs)
+    assert message in str(raised.value)
+    assert_bits_equal(pool, case.state, "pool")
+    assert_bits_equal(ring, case.ring, "ring")
+
+
+def test_bad_forward_input_is_refused_and_nothing_is_written() -> None:
+    case = _case()
+    pool = case.state.copy()
+    with pytest.raises(ValueError, match=r"qkv: width 520 is not 2\*nk\*64 \+ nv\*64 with nk dividing nv=4"):
+        runner_for("cpu").recurrence(np.zeros((13, 520), np.float32), case.decay, case.beta, pool, case.row_ids,
+                                     case.input_row_offsets)
+    with pytest.raises(ValueError, match="row_ids: id 9 at flat index 0"):
+        runner_for("cpu").recurrence(case.qkv, case.decay, case.beta, pool, np.array([9, 0, 1, 2, 3]),
+                                     case.input_row_offsets)
+    assert_bits_equal(pool, case.state, "pool")
+
+
+def test_cpu_op_checks_offsets_and_overlap_itself() -> None:
+    """Past the host checks, the compiled CPU op raises before its first store."""
+    from max.driver import Buffer
+    from max.dtype import DType
+
+    runner = runner_for("cpu")
+    case = _case()
+    model = runner.model("fold_on_load", DType.float32, {"K": 64, "V": 64, "RING_LEN": 4})
+    for change, message in (
+        (_offsets([0, 4, 3, 5, 11, 13]), "input_row_offsets: decreases at index 2"),
+        (_overlap, "which request 0 folds from"),
+        (_bad_previous_rows, "previous_ring_row_ids: id 1048576 at flat index 1 is out of range"),
+    ):
+        pool, ring = case.fresh()
+        kwargs = _verify_kwargs(case) | change(case)
+        tables = [kwargs[name] for name in ("row_ids", "ring_row_ids", "input_row_offsets", "previous_ring_row_ids",
+                                            "previous_num_accepted")]
+        inputs = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in (case.qkv, case.decay, case.beta)]
+        with pytest.raises(ValueError, match=message):
+            model.execute(*inputs, Buffer.from_numpy(pool), Buffer.from_numpy(ring),
+                          *(Buffer.from_numpy(np.ascontiguousarray(t, dtype=np.uint32)) for t in tables))
+        assert_bits_equal(pool, case.state, "pool")
+        assert_bits_equal(ring, case.ring, "ring")
+
+
+def test_graph_build_errors_name_the_argument() -> None:
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+    from gdfold_max import kernels_path, recurrence, verify_ring
+
+    cpu = DeviceRef.CPU()
+    types = [
+        TensorType(DType.float32, ["T", 512], cpu),
+        TensorType(DType.float32, ["T", 4], cpu),
+        TensorType(DType.float32, ["T", 4], cpu),
+        BufferType(DType.float32, [7, 4, 64, 64], cpu),
+        BufferType(DType.float32, [11, 2, 4, 224], cpu),
+        TensorType(DType.uint32, ["B"], cpu),
+        TensorType(DType.uint32, ["B"], cpu),
+        TensorType(DType.uint32, ["B1"], cpu),
+        TensorType(DType.uint32, ["B", 2], cpu),
+        TensorType(DType.float16, ["T", 512], cpu),
+        TensorType(DType.float32, ["T", 520], cpu),
+    ]
+    with Graph("bad", input_types=types, custom_extensions=[kernels_path()]) as graph:
+        qkv, decay, beta, pool, ring, rows, ring_rows, offsets, table_2d, qkv_half, qkv_wide = (
+            x.tensor if isinstance(x.type, TensorType) else x.buffer for x in graph.inputs)
+        with pytest.raises(ValueError, match="column_tile: 24 must be a multiple of 4 that divides V=64"):
+            verify_ring(qkv, decay, beta, pool, ring, rows, ring_rows, offsets, column_tile=24)
+        with pytest.raises(ValueError, match="requests_per_block: 0 must be at least 1"):
+            recurrence(qkv, decay, beta, pool, rows, offsets, requests_per_block=0)
+        with pytest.raises(ValueError, match=r"row_ids: expected rank 1, got shape \[B, 2\]"):
+            verify_ring(qkv, decay, beta, pool, ring, table_2d, ring_rows, offsets)
+        with pytest.raises(ValueError, match="qkv: dtype float16 is unsupported"):
+            recurrence(qkv_half, decay, beta, pool, rows, offsets)
+        with pytest.raises(ValueError, match=r"qkv: width 520 differs from 2\*nk\*K \+ nv\*V = 512"):
+            verify_ring(qkv_wide, decay, beta, pool, ring, rows, ring_rows, offsets)
+        with pytest.raises(ValueError, match="previous_ring_row_ids, previous_num_accepted: give both"):
+            verify_ring(qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous_ring_row_ids=rows)
+        graph.output()

@@ -1,5 +1,5 @@
 """The verify window and the forward on the GPU: one block per (value head, column
-tile, request) of one layer.
+tile, group of REQUESTS_PER_BLOCK requests) of one layer.
 
 A head's [K, V] state splits into independent column tiles (kv[j] and the readout
 only ever sum down column j). Threads come in groups of REDUCTION_LANES: thread
@@ -7,10 +7,15 @@ only ever sum down column j). Threads come in groups of REDUCTION_LANES: thread
 vector, so every reduction over K is an fma chain per thread followed by three
 butterfly shuffles: exactly the fixed lane order of recurrence_math.mojo.
 
-The block first issues all its state loads, folds the previous step's accepted
-records when asked to (fold on load: the state is then read and written once per
-decoding step), and then runs the window in chunks of TOKEN_CHUNK tokens staged in
-shared memory.
+For each of its requests in turn, the block issues the next request's state loads,
+folds the previous step's accepted records into the current state when asked to (fold
+on load: the state is then read and written once per decoding step), and runs the
+window in chunks of TOKEN_CHUNK tokens staged in shared memory. Each lane group
+computes the squared norms of q and k itself, in the same lane order.
+
+Measured on an H200 (bench/window-tuning-h200-2026-11-29.txt), this kernel uses about
+246 registers per thread, so only two 128-thread blocks fit on an SM: it is bound by
+latency, not by memory bandwidth.
 """
 
 from max.gpu import barrier, block_idx, thread_idx

@@ -28,8 +28,8 @@ PREFERRED_REQUESTS_PER_BLOCK = 2
 def default_column_tile(value_dim: int) -> int:
     """The GPU column tile used when the caller names none.
 
-    >>> default_column_tile(128), default_column_tile(40)
-    (64, 20)
+    >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
+    (64, 48, 40)
     """
     tile = min(PREFERRED_COLUMN_TILE, value_dim)
     while value_dim % tile != 0 or tile % 4 != 0:

@@ -3,6 +3,8 @@ against each other, bit for bit, on the CPU and (marked ``gpu``) on the GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -26,26 +28,15 @@ def runner(device: str) -> WindowRunner:
     return runner_for(device)
 
 
-def reference_verify(case: WindowCase, *, fold_on_load: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def verify_step(verify: Callable[..., np.ndarray], case: WindowCase, *, fold_on_load: bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Readout, pool and ring after ``verify`` (ours or the reference) on fresh copies."""
     state, ring = case.fresh()
     previous = {}
     if fold_on_load:
         previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
                     "previous_num_accepted": case.previous_num_accepted}
-    out = reference.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids,
-                                case.input_row_offsets, **previous)
-    return out, state, ring
-
-
-def run_verify(runner: WindowRunner, case: WindowCase, *, fold_on_load: bool
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    state, ring = case.fresh()
-    previous = {}
-    if fold_on_load:
-        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
-                    "previous_num_accepted": case.previous_num_accepted}
-    out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids,
-                             case.input_row_offsets, **previous)
+    out = verify(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets, **previous)
     return out, state, ring
 
 
@@ -57,8 +48,8 @@ def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], 
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     case = random_window_case(1, state_dtype=state_dtype)
-    got = run_verify(runner, case, fold_on_load=False)
-    assert_same_step(got, reference_verify(case, fold_on_load=False), "verify vs reference")
+    got = verify_step(runner.verify_ring, case, fold_on_load=False)
+    assert_same_step(got, verify_step(reference.verify_ring, case, fold_on_load=False), "verify vs reference")
     # The pool is only read, except the request whose window is past RING_LEN.
     committed = case.row_ids[3]
     untouched = np.setdiff1d(np.arange(case.state.shape[0]), [committed])
@@ -68,14 +59,14 @@ def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> Non
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_fold_on_load_equals_fold_then_verify(runner: WindowRunner, device: str, state_dtype: str) -> None:
     case = random_window_case(2, state_dtype=state_dtype)
-    fused = run_verify(runner, case, fold_on_load=True)
+    fused = verify_step(runner.verify_ring, case, fold_on_load=True)
 
     state, ring = case.fresh()
     folder_for(device).fold(state, ring, case.row_ids[None], case.previous_ring_row_ids[None],
                             case.previous_num_accepted)
     out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets)
     assert_same_step(fused, (out, state, ring), "fold on load vs fold then verify")
-    assert_same_step(fused, reference_verify(case, fold_on_load=True), "fold on load vs reference")
+    assert_same_step(fused, verify_step(reference.verify_ring, case, fold_on_load=True), "fold on load vs reference")
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES)
@@ -156,7 +147,7 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
     _copy_back(ring_buffer, ring)
     readout = np.asarray(out.to(CPU()).to_numpy())
 
-    want = reference_verify(case, fold_on_load=True)
+    want = verify_step(reference.verify_ring, case, fold_on_load=True)
     skipped = slice(int(case.input_row_offsets[1]), int(case.input_row_offsets[2]))
     assert np.isnan(readout[skipped]).all()
     kept = np.r_[0 : skipped.start, skipped.stop : readout.shape[0]]

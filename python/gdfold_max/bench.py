@@ -90,6 +90,13 @@ def best_seconds(run: Callable[[], None], repeats: int) -> float:
     return best
 
 
+def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
+    """Compiles graphs several at a time. Build them first, one after another: building
+    shares the kernel package cache."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(session.load, graphs))
+
+
 class FoldGraphs:
     """Compiled graphs of 1 and R chained folds, ours or MAX's, on one device."""
 
@@ -108,9 +115,7 @@ class FoldGraphs:
     def compile_all(self, impls: Sequence[str], dtypes: Sequence[DType]) -> None:
         """Compiles every graph this run needs, several at a time."""
         keys = [(i, d, r) for i in impls for d in dtypes for r in (1, self.chain)]
-        built = [self._build(*k) for k in keys]  # serially: building shares the kernel package cache
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            models = list(pool.map(self.session.load, built))
+        models = load_in_parallel(self.session, [self._build(*k) for k in keys])
         self._models.update(zip(keys, models, strict=True))
 
     def _build(self, impl: str, state_dtype: DType, repeats: int) -> Graph:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TypeAlias
 
@@ -31,7 +30,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .bench import FoldShape, best_seconds
+from .bench import FoldShape, best_seconds, load_in_parallel
 from .graph import kernels_path, state_fold
 from .window_graph import verify_ring
 
@@ -66,9 +65,7 @@ class StepGraphs:
 
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType]) -> None:
         keys = [(v, d, r) for v in variants for d in dtypes for r in (1, self.chain)]
-        built = [self._build(*k) for k in keys]  # serially: building shares the kernel package cache
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            models = list(pool.map(self.session.load, built))
+        models = load_in_parallel(self.session, [self._build(*k) for k in keys])
         self._models.update(zip(keys, models, strict=True))
 
     def _build(self, variant: str, state_dtype: DType, steps: int) -> Graph:

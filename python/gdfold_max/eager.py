@@ -8,8 +8,9 @@ and the ring untouched.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
 
 ArrayOrBuffer: TypeAlias = np.ndarray | Buffer
+Cached = TypeVar("Cached")
 DeviceLike: TypeAlias = Device | str | None
 
 _NUMPY_STATE_DTYPES = {np.dtype(np.float32): DType.float32, np.dtype(ml_dtypes.bfloat16): DType.bfloat16}
@@ -220,20 +222,22 @@ class StateFolder:
         if call.row_ids.size == 0:
             return recurrent_state
         model = self.model(call.state.dtype, call.parameters)
-        state_buffer = self._to_device(call.state.value)
+        state_buffer = to_device(call.state.value, self.device)
         tables = [
             Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device)
             for t in (call.row_ids, call.ring_row_ids, call.num_accepted)
         ]
-        model.execute(state_buffer, self._to_device(call.ring.value), *tables)
+        model.execute(state_buffer, to_device(call.ring.value, self.device), *tables)
         if isinstance(recurrent_state, np.ndarray) and state_buffer.device.label != "cpu":
             _copy_back(state_buffer, recurrent_state)
         return recurrent_state
 
-    def _to_device(self, value: ArrayOrBuffer) -> Buffer:
-        if isinstance(value, Buffer):
-            return value
-        return _host_buffer(value).to(self.device)
+
+def to_device(value: ArrayOrBuffer, device: Device) -> Buffer:
+    """A Buffer as it is, or a numpy array as a Buffer on ``device`` (shared on the host)."""
+    if isinstance(value, Buffer):
+        return value
+    return _host_buffer(value).to(device)
 
 
 def _host_buffer(array: np.ndarray) -> Buffer:
@@ -251,18 +255,29 @@ def _copy_back(buffer: Buffer, array: np.ndarray) -> None:
         np.copyto(array, host.to_numpy())
 
 
-_folders: dict[tuple[str, int], StateFolder] = {}
-_folders_lock = threading.Lock()
+class PerDevice(Generic[Cached]):
+    """One object per device for the whole process, made on first use."""
+
+    def __init__(self, make: Callable[[Device], Cached]) -> None:
+        self._make = make
+        self._made: dict[tuple[str, int], Cached] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, device: DeviceLike = None) -> Cached:
+        resolved = resolve_device(device)
+        key = (resolved.label, resolved.id)
+        with self._lock:
+            if key not in self._made:
+                self._made[key] = self._make(resolved)
+            return self._made[key]
+
+
+_folders = PerDevice(StateFolder)
 
 
 def folder_for(device: DeviceLike = None) -> StateFolder:
     """The process-wide cached :class:`StateFolder` of a device."""
-    resolved = resolve_device(device)
-    key = (resolved.label, resolved.id)
-    with _folders_lock:
-        if key not in _folders:
-            _folders[key] = StateFolder(resolved)
-        return _folders[key]
+    return _folders(device)
 
 
 def fold(

@@ -19,13 +19,14 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from .eager import (
     ArrayOrBuffer,
     DeviceLike,
+    PerDevice,
     _check_ids,
     _copy_back,
     _describe,
-    _host_buffer,
     _host_table,
     _Operand,
     resolve_device,
+    to_device,
 )
 from .graph import STATE_DTYPES, check_head_dim, fold_parameters, kernels_path
 from .window_graph import recurrence, verify_ring
@@ -227,10 +228,10 @@ class WindowRunner:
         if not call.tables["row_ids"].size:
             return np.zeros((tokens, nv * value_dim), np.float32)
         model = self.model(kind, call.state.dtype, call.parameters)
-        state = self._to_device(call.state.value)
-        ring = self._to_device(call.ring.value) if call.ring is not None else None
-        values = [self._to_device(np.ascontiguousarray(op.value) if isinstance(op.value, np.ndarray) else op.value)
-                  for op in call.tokens]
+        state = to_device(call.state.value, self.device)
+        ring = to_device(call.ring.value, self.device) if call.ring is not None else None
+        values = [to_device(np.ascontiguousarray(op.value) if isinstance(op.value, np.ndarray) else op.value,
+                            self.device) for op in call.tokens]
         tables = [Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device) for t in call.tables.values()]
         args = [*values, state] + ([ring] if ring is not None else []) + tables
         (readout,) = model.execute(*args)
@@ -293,21 +294,10 @@ class WindowRunner:
         call = validate_window(qkv, decay, beta, recurrent_state, None, tables, self.device)
         return self._run("forward", call)
 
-    def _to_device(self, value: ArrayOrBuffer) -> Buffer:
-        if isinstance(value, Buffer):
-            return value
-        return _host_buffer(value).to(self.device)
 
-
-_runners: dict[tuple[str, int], WindowRunner] = {}
-_runners_lock = threading.Lock()
+_runners = PerDevice(WindowRunner)
 
 
 def runner_for(device: DeviceLike = None) -> WindowRunner:
     """The process-wide cached :class:`WindowRunner` of a device."""
-    resolved = resolve_device(device)
-    key = (resolved.label, resolved.id)
-    with _runners_lock:
-        if key not in _runners:
-            _runners[key] = WindowRunner(resolved)
-        return _runners[key]
+    return _runners(device)

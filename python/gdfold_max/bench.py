@@ -90,6 +90,24 @@ def best_seconds(run: Callable[[], None], repeats: int) -> float:
     return best
 
 
+def per_link_seconds(model_of: Callable[[int], Model], device: Device, operands: Sequence[Buffer], chain: int,
+                     repeats: int) -> float:
+    """The time of one link of a chained graph: (t_R - t_1) / (R - 1), where ``model_of(n)``
+    is the graph of n chained links, so the graph-call overhead cancels."""
+    def timed(count: int) -> float:
+        model = model_of(count)
+
+        def run() -> None:
+            model.execute(*operands)
+            device.synchronize()
+
+        return best_seconds(run, repeats)
+
+    one = timed(1)
+    many = timed(chain)
+    return max(many - one, 0.0) / (chain - 1)
+
+
 def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
     """Compiles graphs several at a time. Build them first, one after another: building
     shares the kernel package cache."""
@@ -146,18 +164,8 @@ class FoldGraphs:
 
     def per_fold_seconds(self, impl: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
         """(t_R - t_1) / (R - 1): the graph-call overhead cancels."""
-        def timed(count: int) -> float:
-            model = self.model(impl, state_dtype, count)
-
-            def run() -> None:
-                model.execute(*operands)
-                self.device.synchronize()
-
-            return best_seconds(run, repeats)
-
-        one = timed(1)
-        many = timed(self.chain)
-        return max(many - one, 0.0) / (self.chain - 1)
+        return per_link_seconds(lambda count: self.model(impl, state_dtype, count), self.device, operands,
+                                self.chain, repeats)
 
 
 def make_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0) -> list[Buffer]:

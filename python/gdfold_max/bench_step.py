@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .bench import FoldShape, best_seconds, load_in_parallel
+from .bench import FoldShape, load_in_parallel, per_link_seconds
 from .graph import kernels_path, state_fold
 from .window_graph import verify_ring
 
@@ -133,16 +133,9 @@ class StepGraphs:
         return self._models[(variant, state_dtype, steps)]
 
     def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
-        def timed(steps: int) -> float:
-            model = self.model(variant, state_dtype, steps)
-
-            def run() -> None:
-                model.execute(*operands)
-                self.device.synchronize()
-
-            return best_seconds(run, repeats)
-
-        return max(timed(self.chain) - timed(1), 0.0) / (self.chain - 1)
+        """(t_R - t_1) / (R - 1) over graphs of R chained steps and of one."""
+        return per_link_seconds(lambda steps: self.model(variant, state_dtype, steps), self.device, operands,
+                                self.chain, repeats)
 
 
 def make_step_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0

@@ -138,7 +138,24 @@ def validate_fold(
     return FoldCall(state, ring_op, ids, ring_ids, accepted, parameters)
 
 
-class StateFolder:
+class CompiledGraphs:
+    """An inference session on one device and the graphs it has compiled, each once."""
+
+    def __init__(self, device: DeviceLike = None) -> None:
+        self.device = resolve_device(device)
+        self._session = InferenceSession(devices=[self.device])
+        self._models: dict[tuple[object, ...], Model] = {}
+        self._lock = threading.Lock()
+
+    def compiled(self, key: tuple[object, ...], build: Callable[[], Graph]) -> Model:
+        """The model compiled from ``build()`` under ``key``, compiling it on first use."""
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = self._session.load(build())
+            return self._models[key]
+
+
+class StateFolder(CompiledGraphs):
     """Compiles the fold graph once per (state dtype, K, V, RING_LEN) on one device.
 
     Pool rows, heads, record stride, layers and batch are symbolic in the graph, so one
@@ -157,20 +174,14 @@ class StateFolder:
 
     def __init__(self, device: DeviceLike = None, *, key_dim_tile: int | None = None,
                  rows_per_thread: int | None = None) -> None:
-        self.device = resolve_device(device)
+        super().__init__(device)
         self.key_dim_tile = key_dim_tile
         self.rows_per_thread = rows_per_thread
-        self._session = InferenceSession(devices=[self.device])
-        self._models: dict[tuple[object, ...], Model] = {}
-        self._lock = threading.Lock()
 
     def model(self, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled fold for these static dims, compiled on first use."""
         key = (state_dtype, *sorted(parameters.items()))
-        with self._lock:
-            if key not in self._models:
-                self._models[key] = self._session.load(self._build(state_dtype, parameters))
-            return self._models[key]
+        return self.compiled(key, lambda: self._build(state_dtype, parameters))
 
     def _build(self, state_dtype: DType, parameters: dict[str, int]) -> Graph:
         where = DeviceRef.from_device(self.device)

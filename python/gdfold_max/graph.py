@@ -84,6 +84,24 @@ def default_tiling(key_dim: int, state_dtype: DType) -> tuple[int, int]:
 RECORD_VECTOR = 4
 
 
+def pool_dims(state_shape: Sequence[Dim | int], state_dtype: DType) -> tuple[int, int]:
+    """Checks a pool's rank, dtype and static K, V, and returns (K, V).
+
+    Raises:
+        ValueError: naming ``recurrent_state``, the bad value and what was expected.
+    """
+    if len(state_shape) != 4:
+        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {len(state_shape)}")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"recurrent_state: dtype {state_dtype} is unsupported (float32 or bfloat16)")
+    key_dim, value_dim = _static(state_shape[2]), _static(state_shape[3])
+    if key_dim is None or value_dim is None:
+        raise ValueError(f"recurrent_state: K and V must be static, got {state_shape[2]} and {state_shape[3]}")
+    check_head_dim("recurrent_state: K", key_dim)
+    check_head_dim("recurrent_state: V", value_dim)
+    return key_dim, value_dim
+
+
 def fold_parameters(
     state_shape: list[Dim] | list[int],
     state_dtype: DType,
@@ -97,21 +115,14 @@ def fold_parameters(
     Raises:
         ValueError: naming the argument, the bad value and what was expected.
     """
-    if len(state_shape) != 4:
-        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {len(state_shape)}")
+    key_dim, value_dim = pool_dims(state_shape, state_dtype)
     if len(ring_shape) != 4:
         raise ValueError(f"ring: expected rank 4 [ring_rows, nk, RING_LEN, stride], got rank {len(ring_shape)}")
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"recurrent_state: dtype {state_dtype} is unsupported (float32 or bfloat16)")
     if ring_dtype != DType.float32:
         raise ValueError(f"ring: dtype {ring_dtype} is unsupported (float32)")
-    key_dim, value_dim, ring_len = (_static(d) for d in (state_shape[2], state_shape[3], ring_shape[2]))
-    if key_dim is None or value_dim is None:
-        raise ValueError(f"recurrent_state: K and V must be static, got {state_shape[2]} and {state_shape[3]}")
+    ring_len = _static(ring_shape[2])
     if ring_len is None:
         raise ValueError(f"ring: RING_LEN must be static, got {ring_shape[2]}")
-    check_head_dim("recurrent_state: K", key_dim)
-    check_head_dim("recurrent_state: V", value_dim)
     if not 1 <= ring_len <= MAX_RING_LEN:
         raise ValueError(f"ring: RING_LEN {ring_len} is unsupported (1..{MAX_RING_LEN})")
     nv, nk, stride = (_static(d) for d in (state_shape[1], ring_shape[1], ring_shape[3]))

@@ -6,18 +6,18 @@ raises ``ValueError`` (or ``TypeError``) and leaves the pool and the ring untouc
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from max.driver import CPU, Buffer
 from max.dtype import DType
-from max.engine import InferenceSession, Model
+from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from .eager import (
     ArrayOrBuffer,
+    CompiledGraphs,
     DeviceLike,
     PerDevice,
     _check_ids,
@@ -25,11 +25,10 @@ from .eager import (
     _describe,
     _host_table,
     _Operand,
-    resolve_device,
     to_device,
 )
-from .graph import STATE_DTYPES, check_head_dim, fold_parameters, kernels_path
-from .window_graph import recurrence, verify_ring
+from .graph import fold_parameters, kernels_path, pool_dims
+from .window_graph import check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 
@@ -120,31 +119,17 @@ def validate_window(
 ) -> WindowCall:
     """Checks every operand of a verify (``ring`` given) or a forward on the host."""
     state = _describe("recurrent_state", recurrent_state, device, writable=True)
-    if len(state.shape) != 4:
-        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {len(state.shape)}")
-    rows, nv, key_dim, value_dim = state.shape
+    key_dim, value_dim = pool_dims(state.shape, state.dtype)
+    rows, nv = state.shape[:2]
     ring_op = None
+    num_key_heads = None
+    parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1}
     if ring is not None:
         ring_op = _describe("ring", ring, device, writable=True)
         parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype)
         num_key_heads = ring_op.shape[1]
-    else:
-        if state.dtype not in STATE_DTYPES:
-            raise ValueError(f"recurrent_state: dtype {state.dtype} is unsupported (float32 or bfloat16)")
-        check_head_dim("recurrent_state: K", key_dim)
-        check_head_dim("recurrent_state: V", value_dim)
-        parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1}
-        num_key_heads = 0
     tokens = _token_operands(qkv, decay, beta, device, nv)
-    width = tokens[0].shape[1]
-    if ring_op is not None:
-        expected = 2 * num_key_heads * key_dim + nv * value_dim
-        if width != expected:
-            raise ValueError(f"qkv: width {width} differs from 2*nk*K + nv*V = {expected}")
-    else:
-        rest = width - nv * value_dim
-        if rest <= 0 or rest % (2 * key_dim) != 0 or nv % (rest // (2 * key_dim)) != 0:
-            raise ValueError(f"qkv: width {width} is not 2*nk*{key_dim} + nv*{value_dim} with nk dividing nv={nv}")
+    check_qkv_width(tokens[0].shape[1], nv, key_dim, value_dim, num_key_heads)
     host = {name: _host_table(name, value) for name, value in tables.items()}
     batch = host["row_ids"].shape[0] if host["row_ids"].ndim == 1 else -1
     _check_lengths(host, batch)
@@ -160,7 +145,7 @@ def validate_window(
     return WindowCall((tokens[0], tokens[1], tokens[2]), state, ring_op, host, parameters)
 
 
-class WindowRunner:
+class WindowRunner(CompiledGraphs):
     """Compiles the verify / fold-on-load verify / forward graphs once per static shape.
 
     Tokens, pool rows, heads, record stride and batch are symbolic in each graph, so one
@@ -174,20 +159,14 @@ class WindowRunner:
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,
                  requests_per_block: int | None = None) -> None:
-        self.device = resolve_device(device)
+        super().__init__(device)
         self.column_tile = column_tile
         self.requests_per_block = requests_per_block
-        self._session = InferenceSession(devices=[self.device])
-        self._models: dict[tuple[object, ...], Model] = {}
-        self._lock = threading.Lock()
 
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled graph of ``kind`` (verify, fold_on_load or forward), built on first use."""
         key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"])
-        with self._lock:
-            if key not in self._models:
-                self._models[key] = self._session.load(self._build(kind, state_dtype, parameters))
-            return self._models[key]
+        return self.compiled(key, lambda: self._build(kind, state_dtype, parameters))
 
     def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
         where = DeviceRef.from_device(self.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from max.dtype import DType
 from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
-from .graph import _row_table, _shape_text, _static, check_head_dim, fold_parameters
+from .graph import _row_table, _shape_text, _static, fold_parameters, pool_dims
 
 VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
@@ -50,6 +50,21 @@ def gpu_tiling(value_dim: int, column_tile: int | None, requests_per_block: int 
     if requests < 1:
         raise ValueError(f"requests_per_block: {requests} must be at least 1")
     return {"COLUMN_TILE": _check_column_tile(value_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
+
+
+def check_qkv_width(width: int, num_value_heads: int, key_dim: int, value_dim: int,
+                    num_key_heads: int | None = None) -> None:
+    """Raises unless ``width == 2*nk*K + nv*V``; without ``num_key_heads``, for some nk dividing nv."""
+    if num_key_heads is not None:
+        expected = 2 * num_key_heads * key_dim + num_value_heads * value_dim
+        if width != expected:
+            raise ValueError(f"qkv: width {width} differs from 2*nk*K + nv*V = {expected}")
+        return
+    rest = width - num_value_heads * value_dim
+    if rest <= 0 or rest % (2 * key_dim) != 0 or num_value_heads % (rest // (2 * key_dim)) != 0:
+        raise ValueError(
+            f"qkv: width {width} is not 2*nk*{key_dim} + nv*{value_dim} with nk dividing nv={num_value_heads}"
+        )
 
 
 def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue, num_value_heads: Dim) -> None:
@@ -149,9 +164,7 @@ def verify_ring(
     _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
     nv, nk, width = (_static(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
     if nv is not None and nk is not None and width is not None:
-        expected = 2 * nk * parameters["K"] + nv * value_dim
-        if width != expected:
-            raise ValueError(f"qkv: width {width} differs from 2*nk*K + nv*V = {expected}")
+        check_qkv_width(width, nv, parameters["K"], value_dim, nk)
     tables = [
         _check_vector("row_ids", row_ids),
         _check_vector("ring_row_ids", ring_row_ids),
@@ -228,23 +241,11 @@ def recurrence(
         >>> out.shape
         [Dim('T'), Dim(128)]
     """
-    if recurrent_state.dtype not in (DType.float32, DType.bfloat16):
-        raise ValueError(f"recurrent_state: dtype {recurrent_state.dtype} is unsupported (float32 or bfloat16)")
-    if recurrent_state.rank != 4:
-        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {recurrent_state.rank}")
-    key_dim, value_dim = _static(recurrent_state.shape[2]), _static(recurrent_state.shape[3])
-    if key_dim is None or value_dim is None:
-        raise ValueError(
-            f"recurrent_state: K and V must be static, got {recurrent_state.shape[2]} and {recurrent_state.shape[3]}"
-        )
-    check_head_dim("recurrent_state: K", key_dim)
-    check_head_dim("recurrent_state: V", value_dim)
+    key_dim, value_dim = pool_dims(list(recurrent_state.shape), recurrent_state.dtype)
     _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
     nv, width = _static(recurrent_state.shape[1]), _static(qkv.shape[1])
     if nv is not None and width is not None:
-        rest = width - nv * value_dim
-        if rest <= 0 or rest % (2 * key_dim) != 0 or nv % (rest // (2 * key_dim)) != 0:
-            raise ValueError(f"qkv: width {width} is not 2*nk*K + nv*V with nk dividing nv={nv}")
+        check_qkv_width(width, nv, key_dim, value_dim)
     results = ops.inplace_custom(
         RECURRENCE_OP_NAME,
         recurrent_state.device,

@@ -47,9 +47,10 @@ def stage_vectors[
     accepted: Int,
     tid: Int,
 ):
-    """Copies `field_len` floats at `field_at` of each accepted record to shared memory.
+    """Copies `field_len` floats at `field_at` of each of the first `accepted` rows
+    (ring records, or the verify's tokens in qkv) to shared memory, row after row.
 
-    COUNT bounds the 16-byte vectors over every possible record; the loop is unrolled
+    COUNT bounds the 16-byte vectors over every possible row; the loop is unrolled
     so that every load a thread makes is in flight at once.
     """
     var vectors_per_record = field_len // RECORD_VEC

@@ -1,38 +1,56 @@
 """The verify window and the forward on the GPU: one block per (value head, column
-tile, group of REQUESTS_PER_BLOCK requests) of one layer.
+tile, run of requests) of one layer.
 
 A head's [K, V] state splits into independent column tiles (kv[j] and the readout
 only ever sum down column j). Threads come in groups of REDUCTION_LANES: thread
 `lane` of a group holds key rows `lane, lane + 8, lane + 16, ...` of one 4-column
-vector, so every reduction over K is an fma chain per thread followed by three
-butterfly shuffles: exactly the fixed lane order of recurrence_math.mojo.
+vector in registers, so every reduction over K is an fma chain per thread followed by
+an exchange between the eight lanes in the fixed order of recurrence_math.mojo.
 
-For each of its requests in turn, the block issues the next request's state loads,
-folds the previous step's accepted records into the current state when asked to (fold
-on load: the state is then read and written once per decoding step), and runs the
-window in chunks of TOKEN_CHUNK tokens staged in shared memory. Each lane group
-computes the squared norms of q and k itself, in the same lane order.
+Per request, the block
+1. waits for the asynchronous copies of the request's state tile, first records and
+   first tokens (window_gpu_staging.mojo), computes the tokens' norms once, and
+   moves the state tile to registers;
+2. starts the copies for its next request, so that they land while it computes;
+3. folds the previous step's accepted records into the state when asked to (fold on
+   load) and writes the folded state back: a decoding step reads and writes each
+   state element once;
+4. runs the window token by token, writing the readout and, for a verify, the ring
+   records; a forward, or a window longer than the ring, writes the state instead.
 
-Measured on an H200 (bench/window-tuning-h200-2026-11-29.txt), this kernel uses about
-246 registers per thread, so only two 128-thread blocks fit on an SM: it is bound by
-latency, not by memory bandwidth.
+The grid holds about as many blocks as the GPU runs at once, each working through a
+run of requests, so the copies of one request overlap the arithmetic of another.
 """
 
-from max.gpu import barrier, block_idx, thread_idx
-from max.gpu.primitives.warp import shuffle_xor
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
+from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
+from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
 from std.math import fma
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
+from std.utils import StaticTuple
 from std.utils.numerics import nan
 
-from .fold_gpu import RECORD_VEC, stage_vectors
-from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
 from .record_layout import decay_offset, delta_offset, key_offset
+from .recurrence_math import REDUCTION_LANES
+from .window_gpu_staging import (
+    BLOCK_SHARED_LIMIT,
+    WINDOW_CHUNK,
+    copy_records_async,
+    copy_state_tile_async,
+    copy_tokens_async,
+    normalise_tokens,
+    permuted_pitch,
+    plan_request,
+    shared_floats,
+    state_tile_pitch,
+    window_blocks_per_sm,
+    window_shared_bytes,
+)
 
 # Value columns per thread: one 16-byte fp32 vector.
 comptime THREAD_COLUMNS = 4
-# Tokens staged in shared memory at a time.
-comptime TOKEN_CHUNK = 4
+comptime WARP_SIZE = 32
 
 
 def window_block_threads[COLUMN_TILE: Int]() -> Int:
@@ -40,53 +58,49 @@ def window_block_threads[COLUMN_TILE: Int]() -> Int:
 
 
 @always_inline
-def lane_sum[width: Int](value: SIMD[DType.float32, width]) -> SIMD[DType.float32, width]:
-    """Adds the value over the 8 lanes of a group: (p, p^4), then (p, p^2), then (p, p^1).
+def column_sum(x: SIMD[DType.float32, THREAD_COLUMNS], lane: Int) -> Float32:
+    """Sums each of the 4 columns over the 8 lanes of a group; lane p returns column
+    p / 2.
 
-    IEEE addition commutes, so every lane of the group ends with the same bits.
+    The additions are those of adding (p, p^4), then (p, p^2), then (p, p^1) for
+    every column (IEEE addition commutes), but each step passes on only the columns
+    the partner keeps: 4 shuffles instead of 12.
     """
-    var total = value
-    comptime for offset in [4, 2, 1]:
-        comptime for e in range(width):
-            total[e] = total[e] + shuffle_xor(total[e], UInt32(offset))
-    return total
+    var high = (lane & 4) != 0
+    var keep0 = x[2] if high else x[0]
+    var keep1 = x[3] if high else x[1]
+    var send0 = x[0] if high else x[2]
+    var send1 = x[1] if high else x[3]
+    var pair0 = keep0 + shuffle_xor(send0, UInt32(4))
+    var pair1 = keep1 + shuffle_xor(send1, UInt32(4))
+    var middle = (lane & 2) != 0
+    var keep = pair1 if middle else pair0
+    var send = pair0 if middle else pair1
+    var quad = keep + shuffle_xor(send, UInt32(2))
+    return quad + shuffle_xor(quad, UInt32(1))
 
 
 @always_inline
-def load_state[
-    state_dtype: DType, K: Int, V: Int
-](
-    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
-    row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    request: Int,
-    num_rows: Int,
-    row_elements: Int,
-    head_offset: Int,
-    lane: Int,
-) -> Array[SIMD[DType.float32, THREAD_COLUMNS], K // REDUCTION_LANES]:
-    """Issues a request's state loads for one thread (zeros for an out-of-range row)."""
-    comptime VEC = THREAD_COLUMNS
-    var held = Array[SIMD[DType.float32, VEC], K // REDUCTION_LANES](fill=0.0)
-    var row = Int(row_ids[unsafe_offset=request])
-    if row < num_rows:
-        var base = row * row_elements + head_offset
-        comptime for m in range(K // REDUCTION_LANES):
-            held[m] = state.unsafe_load[
-                width=VEC, alignment=VEC * size_of[state_dtype]()
-            ](base + (m * REDUCTION_LANES + lane) * V).cast[DType.float32]()
-    return held^
+def gather_columns(own: Float32, group_first_lane: Int) -> SIMD[DType.float32, THREAD_COLUMNS]:
+    """Column c of the result comes from lane 2c of the group (see column_sum)."""
+    var columns = SIMD[DType.float32, THREAD_COLUMNS](0.0)
+    comptime for c in range(THREAD_COLUMNS):
+        columns[c] = shuffle_idx(own, UInt32(group_first_lane + 2 * c))
+    return columns
 
 
-comptime SharedFloats = Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
-
-
-@always_inline
-def shared_floats[count: Int]() -> SharedFloats:
-    return stack_allocation[
-        count, DType.float32, alignment=16, address_space=AddressSpace.SHARED
-    ]()
-
-
+# Shared memory, not registers, bounds the blocks an SM holds; tell the register
+# allocator how many that is, so it does not use more registers than they leave.
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](
+        Int32(window_block_threads[COLUMN_TILE]())
+    ),
+    `nvvm.minctasm`=SIMDLength(
+        window_blocks_per_sm[
+            state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, window_block_threads[COLUMN_TILE]()
+        ]()
+    ),
+)
 def windows_gpu_kernel[
     state_dtype: DType,
     K: Int,
@@ -95,7 +109,6 @@ def windows_gpu_kernel[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     COLUMN_TILE: Int,
-    REQUESTS_PER_BLOCK: Int,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -109,6 +122,7 @@ def windows_gpu_kernel[
     previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
     batch_i32: Int32,
+    requests_per_block_i32: Int32,
     num_tokens_i32: Int32,
     num_rows_i32: Int32,
     num_ring_rows_i32: Int32,
@@ -120,13 +134,23 @@ def windows_gpu_kernel[
     comptime ROWS = K // REDUCTION_LANES
     comptime THREADS = window_block_threads[COLUMN_TILE]()
     comptime VEC = THREAD_COLUMNS
+    comptime CHUNK = WINDOW_CHUNK
     comptime STATE_ALIGN = VEC * size_of[state_dtype]()
+    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
+    comptime LANE_PITCH = permuted_pitch[K]()
+    comptime LANE_VECTORS = LANE_PITCH // 4
+    comptime assert (
+        window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
+    ), "the window kernel's shared memory exceeds 48 KiB: use a smaller COLUMN_TILE"
     var num_value_heads = Int(num_value_heads_i32)
     var num_key_heads = Int(num_key_heads_i32)
     var record_stride = Int(record_stride_i32)
+    var num_tokens = Int(num_tokens_i32)
+    var num_rows = Int(num_rows_i32)
+    var num_ring_rows = Int(num_ring_rows_i32)
     var group_size = num_value_heads // num_key_heads
-    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var readout_width = num_value_heads * V
+    var row_elements = num_value_heads * K * V
 
     var tile = Int(block_idx.x) % TILES
     var value_head = Int(block_idx.x) // TILES
@@ -134,188 +158,230 @@ def windows_gpu_kernel[
     var group_slot = value_head % group_size
     var tid = Int(thread_idx.x)
     var lane = tid % REDUCTION_LANES
+    var group_first_lane = (tid % WARP_SIZE) - lane
     var tile_column = (tid // REDUCTION_LANES) * VEC
-    var column = tile * COLUMN_TILE + tile_column
-    var head_offset = value_head * K * V + column
+    var tile_start = tile * COLUMN_TILE
+    var column = tile_start + tile_column
 
-    # Shared staging, allocated once and reused by every request of the block.
-    var keys = shared_floats[RING_LEN * K]()
-    var deltas = shared_floats[RING_LEN * COLUMN_TILE]()
-    var decays = shared_floats[RING_LEN]()
-    var queries = shared_floats[TOKEN_CHUNK * K]()
-    var token_keys = shared_floats[TOKEN_CHUNK * K]()
-    var values = shared_floats[TOKEN_CHUNK * COLUMN_TILE]()
-    var token_decays = shared_floats[TOKEN_CHUNK]()
-    var betas = shared_floats[TOKEN_CHUNK]()
-    comptime scale = query_scale[K]()
+    # Shared memory. Records and tokens have two buffers: one being computed on, one
+    # being filled for the next request. The state tile has one: it is moved to
+    # registers before the next request's copies start.
+    var state_tile = stack_allocation[
+        K * PITCH, state_dtype, alignment=16, address_space=AddressSpace.SHARED
+    ]()
+    comptime RECORD_KEYS = CHUNK * K if FOLD_PREVIOUS else 0
+    comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
+    comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
+    var record_keys = shared_floats[2 * RECORD_KEYS + 4]()
+    var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
+    var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
+    var token_queries = shared_floats[2 * CHUNK * K]()
+    var token_keys = shared_floats[2 * CHUNK * K]()
+    var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
+    var token_decays = shared_floats[2 * CHUNK]()
+    var token_betas = shared_floats[2 * CHUNK]()
+    var queries_hat = shared_floats[CHUNK * REDUCTION_LANES * LANE_PITCH]()
+    var keys_by_lane = shared_floats[CHUNK * REDUCTION_LANES * LANE_PITCH]()
+    var inverse_key_norms = shared_floats[CHUNK]()
 
-    # A block runs REQUESTS_PER_BLOCK requests in turn; the next request's state loads
-    # are issued before the current one computes, so loads and arithmetic overlap.
-    var first = Int(block_idx.y) * REQUESTS_PER_BLOCK
-    var last = min(first + REQUESTS_PER_BLOCK, Int(batch_i32))
-    var row_elements = num_value_heads * K * V
-    var num_rows = Int(num_rows_i32)
-    var held = load_state[state_dtype, K, V](state, row_ids, first, num_rows, row_elements, head_offset, lane)
-    for request in range(first, last):
-        var upcoming = held.copy()
-        if request + 1 < last:
-            upcoming = load_state[state_dtype, K, V](
-                state, row_ids, request + 1, num_rows, row_elements, head_offset, lane
+    var requests_per_block = Int(requests_per_block_i32)
+    var first = Int(block_idx.y) * requests_per_block
+    var last = min(first + requests_per_block, Int(batch_i32))
+    if first >= last:
+        return
+
+    # Starts every copy request `request` needs first, into buffer `buffer`.
+    @always_inline
+    def start_copies(request: Int, buffer: Int) {imm}:
+        var plan = plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
+            request, row_ids, ring_row_ids, offsets, previous_ring_row_ids,
+            previous_accepted, num_tokens, num_rows, num_ring_rows,
+        )
+        if plan.runs:
+            copy_state_tile_async[state_dtype, K, V, COLUMN_TILE, THREADS](
+                state_tile, state, plan.row * row_elements + value_head * K * V + tile_start,
+                tid,
             )
-        barrier()  # the previous request is done with shared memory
+            comptime if FOLD_PREVIOUS:
+                if plan.accepted > 0:
+                    copy_records_async[K, V, COLUMN_TILE, THREADS](
+                        record_keys.unsafe_offset(buffer * RECORD_KEYS),
+                        record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
+                        record_decays.unsafe_offset(buffer * RECORD_DECAYS),
+                        ring,
+                        (plan.previous_row * num_key_heads + key_head) * RING_LEN * record_stride,
+                        min(CHUNK, plan.accepted), record_stride, group_size, group_slot,
+                        tile_start, tid,
+                    )
+            copy_tokens_async[K, V, COLUMN_TILE, THREADS](
+                token_queries.unsafe_offset(buffer * CHUNK * K),
+                token_keys.unsafe_offset(buffer * CHUNK * K),
+                token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
+                token_decays.unsafe_offset(buffer * CHUNK),
+                token_betas.unsafe_offset(buffer * CHUNK),
+                qkv, decay, beta, plan.start, min(CHUNK, plan.end - plan.start),
+                num_key_heads, key_head, num_value_heads, value_head, tile_start, tid,
+            )
+        async_copy_commit_group()
 
-        # Every test below depends on the request alone, so the block acts as a whole.
-        var start = Int(offsets[unsafe_offset=request])
-        var end = Int(offsets[unsafe_offset=request + 1])
-        var in_range = start <= end and end <= Int(num_tokens_i32)
-        var commit = not RECORD or end - start > RING_LEN
-        var row = Int(row_ids[unsafe_offset=request])
-        var bad_id = row >= Int(num_rows_i32)
-        var ring_row = 0
-        comptime if RECORD:
-            ring_row = Int(ring_row_ids[unsafe_offset=request])
-            bad_id = bad_id or (not commit and ring_row >= Int(num_ring_rows_i32))
-        var accepted = 0
-        var previous_row = 0
-        comptime if FOLD_PREVIOUS:
-            accepted = Int(previous_accepted[unsafe_offset=request])
-            if accepted > RING_LEN:
-                accepted = 0
-            previous_row = Int(previous_ring_row_ids[unsafe_offset=request])
-            bad_id = bad_id or (accepted > 0 and previous_row >= Int(num_ring_rows_i32))
-        if in_range and bad_id:
+    start_copies(first, 0)
+    for request in range(first, last):
+        var buffer = (request - first) % 2
+        var plan = plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
+            request, row_ids, ring_row_ids, offsets, previous_ring_row_ids,
+            previous_accepted, num_tokens, num_rows, num_ring_rows,
+        )
+        var queries = token_queries.unsafe_offset(buffer * CHUNK * K)
+        var keys = token_keys.unsafe_offset(buffer * CHUNK * K)
+        var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
+        var decays = token_decays.unsafe_offset(buffer * CHUNK)
+        var betas = token_betas.unsafe_offset(buffer * CHUNK)
+        var first_count = min(CHUNK, plan.end - plan.start)
+
+        # 1. This request's copies have landed, for every thread; the block is done
+        #    with the previous request.
+        async_copy_wait_all()
+        barrier()
+        var held = Array[SIMD[DType.float32, VEC], ROWS](fill=0.0)
+        if plan.runs:
+            if first_count > 0:
+                normalise_tokens[K, THREADS](
+                    queries, keys, first_count, queries_hat, keys_by_lane, inverse_key_norms,
+                    tid,
+                )
+            comptime for m in range(ROWS):
+                held[m] = state_tile.unsafe_load[width=VEC, alignment=STATE_ALIGN](
+                    (m * REDUCTION_LANES + lane) * PITCH + tile_column
+                ).cast[DType.float32]()
+        barrier()  # the state tile is free and the norms are written
+
+        # 2. The next request's copies run while this one computes.
+        if request + 1 < last:
+            start_copies(request + 1, 1 - buffer)
+
+        if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
             if lane == 0:
-                for t in range(start, end):
+                for t in range(plan.start, plan.end):
                     readout.unsafe_store[alignment=16](
                         t * readout_width + value_head * V + column,
                         SIMD[DType.float32, VEC](nan[DType.float32]()),
                     )
-        if in_range and not bad_id:
-            var state_base = row * num_value_heads * K * V + head_offset
-            var changed = end > start
+        if not plan.runs:
+            continue
+        # This thread's first state row; the others are constant offsets from it.
+        var state_rows = state.unsafe_offset(
+            plan.row * row_elements + value_head * K * V + lane * V + column
+        )
+        var changed = plan.end > plan.start
 
-            # Fold on load: apply the previous step's accepted records, as the fold would.
-            comptime if FOLD_PREVIOUS:
-                if accepted > 0:
-                    changed = True
-                    var record_base = (
-                        (previous_row * num_key_heads + key_head) * RING_LEN * record_stride
-                    )
-                    stage_vectors[RING_LEN * K // RECORD_VEC, THREADS](
-                        keys, ring, record_base, record_stride, key_offset(), K, accepted, tid
-                    )
-                    stage_vectors[RING_LEN * COLUMN_TILE // RECORD_VEC, THREADS](
-                        deltas, ring, record_base, record_stride,
-                        delta_offset[K, V](group_slot) + tile * COLUMN_TILE, COLUMN_TILE,
-                        accepted, tid,
-                    )
-                    if tid < accepted:
-                        decays[unsafe_offset=tid] = ring[unsafe_offset=
-                            record_base + tid * record_stride
-                            + decay_offset[K, V](group_size, group_slot)
-                        ]
-                    barrier()
-                    for t in range(accepted):
-                        var d = decays[unsafe_offset=t]
-                        var u = deltas.unsafe_load[width=VEC, alignment=16](
+        # 3. Fold on load: apply the previous step's accepted records, as the fold would.
+        comptime if FOLD_PREVIOUS:
+            if plan.accepted > 0:
+                changed = True
+                var record_row = (
+                    (plan.previous_row * num_key_heads + key_head) * RING_LEN * record_stride
+                )
+                var rkeys = record_keys.unsafe_offset(buffer * RECORD_KEYS)
+                var rdeltas = record_deltas.unsafe_offset(buffer * RECORD_DELTAS)
+                var rdecays = record_decays.unsafe_offset(buffer * RECORD_DECAYS)
+                for chunk_start in range(0, plan.accepted, CHUNK):
+                    var count = min(CHUNK, plan.accepted - chunk_start)
+                    if chunk_start > 0:
+                        barrier()  # done with the previous chunk of records
+                        copy_records_async[K, V, COLUMN_TILE, THREADS](
+                            rkeys, rdeltas, rdecays, ring,
+                            record_row + chunk_start * record_stride, count, record_stride,
+                            group_size, group_slot, tile_start, tid,
+                        )
+                        async_copy_commit_group()
+                        async_copy_wait_all()
+                        barrier()
+                    for t in range(count):
+                        var d = rdecays[unsafe_offset=t]
+                        var u = rdeltas.unsafe_load[width=VEC, alignment=16](
                             t * COLUMN_TILE + tile_column
                         )
                         comptime for m in range(ROWS):
-                            var k = keys[unsafe_offset=t * K + m * REDUCTION_LANES + lane]
+                            var k = rkeys[unsafe_offset=t * K + m * REDUCTION_LANES + lane]
                             held[m] = fma(SIMD[DType.float32, VEC](k), u, held[m] * d)
-                    # What a separate fold leaves in the pool, and what a verify reads back.
-                    comptime for m in range(ROWS):
-                        var stored = held[m].cast[state_dtype]()
-                        held[m] = stored.cast[DType.float32]()
-                        if not commit:
-                            state.unsafe_store[alignment=STATE_ALIGN](
-                                state_base + (m * REDUCTION_LANES + lane) * V, stored
-                            )
-
-            # 3. The window, TOKEN_CHUNK tokens at a time.
-            var record_row_base = (ring_row * num_key_heads + key_head) * RING_LEN
-            for chunk_start in range(start, end, TOKEN_CHUNK):
-                var count = min(TOKEN_CHUNK, end - chunk_start)
-                var token_base = chunk_start * qkv_width
-                barrier()  # the previous chunk is done with shared memory
-                stage_vectors[TOKEN_CHUNK * K // RECORD_VEC, THREADS](
-                    queries, qkv, token_base, qkv_width, key_head * K, K, count, tid
-                )
-                stage_vectors[TOKEN_CHUNK * K // RECORD_VEC, THREADS](
-                    token_keys, qkv, token_base, qkv_width, (num_key_heads + key_head) * K, K,
-                    count, tid,
-                )
-                stage_vectors[TOKEN_CHUNK * COLUMN_TILE // RECORD_VEC, THREADS](
-                    values, qkv, token_base, qkv_width,
-                    2 * num_key_heads * K + value_head * V + tile * COLUMN_TILE, COLUMN_TILE,
-                    count, tid,
-                )
-                if tid < count:
-                    var at = (chunk_start + tid) * num_value_heads + value_head
-                    token_decays[unsafe_offset=tid] = decay[unsafe_offset=at]
-                    betas[unsafe_offset=tid] = beta[unsafe_offset=at]
-                barrier()
-                for c in range(count):
-                    var d = token_decays[unsafe_offset=c]
-                    var b = betas[unsafe_offset=c]
-                    # kv = S^T k on the decayed state; each lane group also sums |k|^2 and
-                    # |q|^2 over its rows, in the same lane order as every other reduction.
-                    var partial = SIMD[DType.float32, VEC](0.0)
-                    var k_squares = Float32(0.0)
-                    var q_squares = Float32(0.0)
-                    comptime for m in range(ROWS):
-                        var i = c * K + m * REDUCTION_LANES + lane
-                        var k = token_keys[unsafe_offset=i]
-                        var q = queries[unsafe_offset=i]
-                        k_squares = fma(k, k, k_squares)
-                        q_squares = fma(q, q, q_squares)
-                        held[m] = held[m] * d
-                        partial = fma(held[m], SIMD[DType.float32, VEC](k), partial)
-                    var kv = lane_sum[VEC](partial)
-                    var inv_k = Float32(1.0) / rounded_sqrt(lane_sum[1](k_squares) + L2_EPS)
-                    var q_scale = (Float32(1.0) / rounded_sqrt(lane_sum[1](q_squares) + L2_EPS)) * scale
-                    var v = values.unsafe_load[width=VEC, alignment=16](c * COLUMN_TILE + tile_column)
-                    var error = fma(-kv, SIMD[DType.float32, VEC](inv_k), v)
-                    var u = (b * error) * inv_k
-                    # S += k u^T, then the readout o = S^T (q / ||q|| / sqrt(K)).
-                    var out = SIMD[DType.float32, VEC](0.0)
-                    comptime for m in range(ROWS):
-                        var i = m * REDUCTION_LANES + lane
-                        var k = token_keys[unsafe_offset=c * K + i]
-                        held[m] = fma(SIMD[DType.float32, VEC](k), u, held[m])
-                        var q_hat = queries[unsafe_offset=c * K + i] * q_scale
-                        out = fma(held[m], SIMD[DType.float32, VEC](q_hat), out)
-                    out = lane_sum[VEC](out)
-                    var t = chunk_start + c
-                    if lane == 0:
-                        readout.unsafe_store[alignment=16](
-                            t * readout_width + value_head * V + column, out
-                        )
-                    comptime if RECORD:
-                        if not commit:
-                            var record = (record_row_base + t - start) * record_stride
-                            if lane == 0:
-                                ring.unsafe_store[alignment=16](
-                                    record + delta_offset[K, V](group_slot) + column, u
-                                )
-                            if tile == 0:
-                                if tid == 0:
-                                    ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
-                                if group_slot == 0:
-                                    for vector in range(tid, K // VEC, THREADS):
-                                        ring.unsafe_store[alignment=16](
-                                            record + key_offset() + vector * VEC,
-                                            token_keys.unsafe_load[width=VEC, alignment=16](
-                                                c * K + vector * VEC
-                                            ),
-                                        )
-
-            # 4. A forward, or a window too long for the ring, commits the state.
-            if commit and changed:
+                # What a separate fold leaves in the pool, and what a verify reads back.
                 comptime for m in range(ROWS):
-                    state.unsafe_store[alignment=STATE_ALIGN](
-                        state_base + (m * REDUCTION_LANES + lane) * V,
-                        held[m].cast[state_dtype](),
-                    )
-        held = upcoming^
+                    var stored = held[m].cast[state_dtype]()
+                    held[m] = stored.cast[DType.float32]()
+                    if not plan.commit:
+                        state_rows.unsafe_store[alignment=STATE_ALIGN](
+                            m * REDUCTION_LANES * V, stored
+                        )
+
+        # 4. The window, WINDOW_CHUNK tokens at a time.
+        var record_row_base = (plan.ring_row * num_key_heads + key_head) * RING_LEN
+        for chunk_start in range(plan.start, plan.end, CHUNK):
+            var count = min(CHUNK, plan.end - chunk_start)
+            if chunk_start > plan.start:
+                barrier()  # done with the previous chunk of tokens and its norms
+                copy_tokens_async[K, V, COLUMN_TILE, THREADS](
+                    queries, keys, values, decays, betas, qkv, decay, beta, chunk_start,
+                    count, num_key_heads, key_head, num_value_heads, value_head,
+                    tile_start, tid,
+                )
+                async_copy_commit_group()
+                async_copy_wait_all()
+                barrier()
+                normalise_tokens[K, THREADS](
+                    queries, keys, count, queries_hat, keys_by_lane, inverse_key_norms, tid
+                )
+                barrier()
+            for c in range(count):
+                var d = decays[unsafe_offset=c]
+                var b = betas[unsafe_offset=c]
+                var inv_k = inverse_key_norms[unsafe_offset=c]
+                var lane_at = (c * REDUCTION_LANES + lane) * LANE_PITCH
+                var k_lane = Array[SIMD[DType.float32, 4], LANE_VECTORS](uninitialized=True)
+                var q_lane = Array[SIMD[DType.float32, 4], LANE_VECTORS](uninitialized=True)
+                comptime for j in range(LANE_VECTORS):
+                    k_lane[j] = keys_by_lane.unsafe_load[width=4, alignment=16](lane_at + 4 * j)
+                    q_lane[j] = queries_hat.unsafe_load[width=4, alignment=16](lane_at + 4 * j)
+                # kv = S^T k on the decayed state.
+                var partial = SIMD[DType.float32, VEC](0.0)
+                comptime for m in range(ROWS):
+                    held[m] = held[m] * d
+                    partial = fma(held[m], SIMD[DType.float32, VEC](k_lane[m // 4][m % 4]), partial)
+                var kv = column_sum(partial, lane)
+                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column + lane // 2]
+                var error = fma(-kv, inv_k, v)
+                var u = gather_columns((b * error) * inv_k, group_first_lane)
+                # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
+                var out = SIMD[DType.float32, VEC](0.0)
+                comptime for m in range(ROWS):
+                    held[m] = fma(SIMD[DType.float32, VEC](k_lane[m // 4][m % 4]), u, held[m])
+                    out = fma(held[m], SIMD[DType.float32, VEC](q_lane[m // 4][m % 4]), out)
+                var o = column_sum(out, lane)
+                var t = chunk_start + c
+                if lane % 2 == 0:
+                    readout[unsafe_offset=t * readout_width + value_head * V + column + lane // 2] = o
+                comptime if RECORD:
+                    if not plan.commit:
+                        var record = (record_row_base + t - plan.start) * record_stride
+                        if lane == 0:
+                            ring.unsafe_store[alignment=16](
+                                record + delta_offset[K, V](group_slot) + column, u
+                            )
+                        if tile == 0:
+                            if tid == 0:
+                                ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
+                            if group_slot == 0:
+                                for vector in range(tid, K // VEC, THREADS):
+                                    ring.unsafe_store[alignment=16](
+                                        record + key_offset() + vector * VEC,
+                                        keys.unsafe_load[width=VEC, alignment=16](
+                                            c * K + vector * VEC
+                                        ),
+                                    )
+
+        # 5. A forward, or a window too long for the ring, commits the state.
+        if plan.commit and changed:
+            comptime for m in range(ROWS):
+                state_rows.unsafe_store[alignment=STATE_ALIGN](
+                    m * REDUCTION_LANES * V, held[m].cast[state_dtype]()
+                )

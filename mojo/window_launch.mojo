@@ -7,13 +7,14 @@ On the GPU they are trusted for speed, but the kernel never follows an id out of
 bounds: it skips that request and fills its readout with NaN.
 """
 
-from max.gpu.host import DeviceContext
+from max.gpu.host import DeviceAttribute, DeviceContext
 from std.math import ceildiv
 from std.utils import IndexList
 
 from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
 from .window_cpu import windows_cpu
 from .window_gpu import THREAD_COLUMNS, window_block_threads, windows_gpu_kernel
+from .window_gpu_staging import window_blocks_per_sm
 
 
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
@@ -128,7 +129,7 @@ def run_windows[
         and COLUMN_TILE % THREAD_COLUMNS == 0
         and V % COLUMN_TILE == 0
     ), "COLUMN_TILE must be a multiple of 4 that divides V"
-    comptime assert REQUESTS_PER_BLOCK >= 1, "REQUESTS_PER_BLOCK must be at least 1"
+    comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"
     var num_value_heads = state_dims[1]
     var num_key_heads: Int
     comptime if RECORD:
@@ -191,18 +192,27 @@ def run_windows[
         )
     elif target == "gpu":
         comptime kernel = windows_gpu_kernel[
-            state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE,
-            REQUESTS_PER_BLOCK,
+            state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE
         ]
+        comptime THREADS = window_block_threads[COLUMN_TILE]()
+        var block_columns = num_value_heads * (V // COLUMN_TILE)
+        var requests_per_block = REQUESTS_PER_BLOCK
+        if requests_per_block == 0:
+            # As many blocks as the GPU holds at once, each running an equal share of
+            # the requests: one request's copies then overlap another's arithmetic.
+            var resident = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT) * (
+                window_blocks_per_sm[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS]()
+            )
+            var runs = min(batch, max(1, resident // block_columns))
+            requests_per_block = ceildiv(batch, runs)
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted,
-            Int32(batch), Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows),
-            Int32(num_value_heads), Int32(num_key_heads), Int32(record_stride),
-            grid_dim=(
-                num_value_heads * (V // COLUMN_TILE), ceildiv(batch, REQUESTS_PER_BLOCK)
-            ),
-            block_dim=window_block_threads[COLUMN_TILE](),
+            Int32(batch), Int32(requests_per_block), Int32(num_tokens), Int32(num_rows),
+            Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
+            Int32(record_stride),
+            grid_dim=(block_columns, ceildiv(batch, requests_per_block)),
+            block_dim=THREADS,
         )
     else:
         raise Error(t"unsupported target {target}")

@@ -154,7 +154,8 @@ class WindowRunner(CompiledGraphs):
     Args:
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
-        requests_per_block: GPU only: requests one block runs in turn.
+        requests_per_block: GPU only: requests one block runs in turn (default: as many
+            as fill the GPU once).
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,

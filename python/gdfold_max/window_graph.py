@@ -17,39 +17,47 @@ VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
 
-#: Value columns one GPU block owns, at most (a multiple of 4 dividing V). Smaller
-#: tiles make more blocks for small batches.
-PREFERRED_COLUMN_TILE = 64
+#: Value columns one GPU block owns, at most (a multiple of 4 dividing V). A block
+#: stages a K x tile slice of the state in its 48 KiB of static shared memory, so
+#: with K=128 and an fp32 pool 32 columns is the widest tile that leaves room for
+#: the records and tokens of two requests.
+PREFERRED_COLUMN_TILE = 32
 
-#: Requests one GPU block runs in turn, loading the next one's state while it computes.
-PREFERRED_REQUESTS_PER_BLOCK = 2
+#: ``requests_per_block`` passed to the op when the caller names none: the op then
+#: sizes the grid to the blocks the GPU holds at once and shares the requests out.
+AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
-def default_column_tile(value_dim: int) -> int:
-    """The GPU column tile used when the caller names none.
+def default_column_tile(value_dim: int, key_dim: int = 128) -> int:
+    """The GPU column tile used when the caller names none: at most 32 columns, fewer
+    for K above 128 so that the block's shared memory stays within 48 KiB.
 
     >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
-    (64, 48, 40)
+    (32, 32, 20)
+    >>> default_column_tile(256, key_dim=256)
+    8
     """
-    tile = min(PREFERRED_COLUMN_TILE, value_dim)
+    preferred = PREFERRED_COLUMN_TILE if key_dim <= 128 else 16 if key_dim <= 192 else 8
+    tile = min(preferred, value_dim)
     while value_dim % tile != 0 or tile % 4 != 0:
         tile -= 4
     return tile
 
 
-def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
-    tile = default_column_tile(value_dim) if column_tile is None else column_tile
+def _check_column_tile(value_dim: int, key_dim: int, column_tile: int | None) -> int:
+    tile = default_column_tile(value_dim, key_dim) if column_tile is None else column_tile
     if tile < 4 or tile % 4 != 0 or value_dim % tile != 0:
         raise ValueError(f"column_tile: {tile} must be a multiple of 4 that divides V={value_dim}")
     return tile
 
 
-def gpu_tiling(value_dim: int, column_tile: int | None, requests_per_block: int | None) -> dict[str, int]:
+def gpu_tiling(value_dim: int, key_dim: int, column_tile: int | None,
+               requests_per_block: int | None) -> dict[str, int]:
     """The window ops' GPU parameters, checked (the CPU path ignores them)."""
-    requests = PREFERRED_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
-    if requests < 1:
+    requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
+    if requests_per_block is not None and requests < 1:
         raise ValueError(f"requests_per_block: {requests} must be at least 1")
-    return {"COLUMN_TILE": _check_column_tile(value_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
+    return {"COLUMN_TILE": _check_column_tile(value_dim, key_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
 
 
 def check_qkv_width(width: int, num_value_heads: int, key_dim: int, value_dim: int,
@@ -148,7 +156,8 @@ def verify_ring(
         previous_num_accepted: ``[B]``, fold on load: records to fold per request (0 or
             more than RING_LEN fold nothing).
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
-        requests_per_block: GPU only: requests one block runs in turn.
+        requests_per_block: GPU only: requests one block runs in turn (default: as many
+            as fill the GPU once).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -188,7 +197,7 @@ def verify_ring(
             "K": parameters["K"],
             "V": value_dim,
             "RING_LEN": parameters["RING_LEN"],
-            **gpu_tiling(value_dim, column_tile, requests_per_block),
+            **gpu_tiling(value_dim, parameters["K"], column_tile, requests_per_block),
         },
     )
     return results[0].tensor
@@ -218,7 +227,8 @@ def recurrence(
         row_ids: ``[B]`` pool row of each request.
         input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
         column_tile: GPU only: value columns one block owns.
-        requests_per_block: GPU only: requests one block runs in turn.
+        requests_per_block: GPU only: requests one block runs in turn (default: as many
+            as fill the GPU once).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -258,6 +268,6 @@ def recurrence(
             _check_vector("input_row_offsets", input_row_offsets),
         ],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(value_dim, column_tile, requests_per_block)},
+        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(value_dim, key_dim, column_tile, requests_per_block)},
     )
     return results[0].tensor

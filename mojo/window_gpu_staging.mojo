@@ -1,0 +1,362 @@
+"""What the GPU window kernel stages in shared memory, and how.
+
+A block works through its requests one after another. While it computes one, the
+asynchronous copies (cp.async) for the next are already in flight: that request's
+state tile, its first WINDOW_CHUNK previous records and its first WINDOW_CHUNK
+tokens. The copies go straight from global to shared memory, so they hold no
+registers while they wait; registers stay free for the state being computed on.
+
+Everything a request needs is decided from its ids and offsets alone (`RequestPlan`),
+so every thread of a block takes the same branches and meets the same barriers.
+"""
+
+from max.gpu.memory import async_copy
+from max.gpu.primitives.warp import shuffle_xor
+from std.math import ceildiv, fma
+from std.memory import AddressSpace, stack_allocation
+from std.sys import size_of
+
+from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
+from .record_layout import decay_offset, delta_offset, key_offset
+
+# Records, and tokens, staged at a time. A longer fold or window stages the rest
+# chunk by chunk without overlap; verify windows are rarely longer.
+comptime WINDOW_CHUNK = 4
+# Floats per 16-byte copy.
+comptime COPY_FLOATS = 4
+# Static shared memory a block may use.
+comptime BLOCK_SHARED_LIMIT = 48 * 1024
+# Shared memory of one SM of an H100/H200, and what each resident block costs on top.
+comptime SM_SHARED_BYTES = 228 * 1024
+comptime BLOCK_SHARED_RESERVED = 1024
+
+comptime SharedFloats = Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+
+
+@always_inline
+def shared_floats[count: Int]() -> SharedFloats:
+    return stack_allocation[
+        count, DType.float32, alignment=16, address_space=AddressSpace.SHARED
+    ]()
+
+
+def state_tile_pitch[state_dtype: DType, COLUMN_TILE: Int]() -> Int:
+    """Elements per staged state row: the tile plus 16 bytes, so that the eight rows
+    a quarter warp reads at once fall on different banks."""
+    return COLUMN_TILE + 16 // size_of[state_dtype]()
+
+
+def permuted_pitch[K: Int]() -> Int:
+    """Floats per lane in the permuted q/k layout: the lane's K/8 values rounded up to
+    whole 16-byte vectors, and an odd number of vectors so that eight lanes' vector
+    loads fall on different banks."""
+    var vectors = ceildiv(K // REDUCTION_LANES, COPY_FLOATS)
+    if vectors % 2 == 0:
+        vectors += 1
+    return vectors * COPY_FLOATS
+
+
+def window_shared_bytes[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
+]() -> Int:
+    """Static shared memory of one block of the window kernel."""
+    var floats = 0
+    if FOLD_PREVIOUS:
+        floats += 2 * WINDOW_CHUNK * (K + COLUMN_TILE + 1)  # two buffers of records
+    floats += 2 * WINDOW_CHUNK * (2 * K + COLUMN_TILE + 2)  # two buffers of tokens
+    floats += WINDOW_CHUNK * (2 * REDUCTION_LANES * permuted_pitch[K]() + 1)
+    var tile = K * state_tile_pitch[state_dtype, COLUMN_TILE]() * size_of[state_dtype]()
+    return tile + 4 * floats
+
+
+def window_blocks_per_sm[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, THREADS: Int
+]() -> Int:
+    """Blocks an H100/H200 SM holds at once, as its shared memory allows."""
+    var bytes = window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]()
+    return max(1, min(SM_SHARED_BYTES // (bytes + BLOCK_SHARED_RESERVED), 2048 // THREADS))
+
+
+@fieldwise_init
+struct RequestPlan(ImplicitlyCopyable):
+    """What one request asks of a block, from its ids and offsets."""
+
+    var start: Int
+    var end: Int
+    var row: Int
+    var ring_row: Int
+    var previous_row: Int
+    # Previous records to fold first (0 if none or more than the ring holds).
+    var accepted: Int
+    # The request writes the pool itself: a forward, or a window longer than the ring.
+    var commit: Bool
+    # The offsets are in range and every id it follows is too.
+    var runs: Bool
+    # The offsets are in range but an id is not: its readout becomes NaN.
+    var poisoned: Bool
+
+
+@always_inline
+def plan_request[
+    RING_LEN: Int, RECORD: Bool, FOLD_PREVIOUS: Bool
+](
+    request: Int,
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    num_tokens: Int,
+    num_rows: Int,
+    num_ring_rows: Int,
+) -> RequestPlan:
+    var start = Int(offsets[unsafe_offset=request])
+    var end = Int(offsets[unsafe_offset=request + 1])
+    var in_range = start <= end and end <= num_tokens
+    var commit = not RECORD or end - start > RING_LEN
+    var row = Int(row_ids[unsafe_offset=request])
+    var bad_id = row >= num_rows
+    var ring_row = 0
+    comptime if RECORD:
+        ring_row = Int(ring_row_ids[unsafe_offset=request])
+        bad_id = bad_id or (not commit and ring_row >= num_ring_rows)
+    var accepted = 0
+    var previous_row = 0
+    comptime if FOLD_PREVIOUS:
+        accepted = Int(previous_accepted[unsafe_offset=request])
+        if accepted > RING_LEN:
+            accepted = 0
+        previous_row = Int(previous_ring_row_ids[unsafe_offset=request])
+        bad_id = bad_id or (accepted > 0 and previous_row >= num_ring_rows)
+    return RequestPlan(
+        start, end, row, ring_row, previous_row, accepted, commit,
+        in_range and not bad_id, in_range and bad_id,
+    )
+
+
+@always_inline
+def copy_floats_async[
+    ROW_LEN: Int, MAX_ROWS: Int, THREADS: Int
+](
+    dst: SharedFloats,
+    src: Pointer[Float32, ImmutAnyOrigin],
+    base: Int,
+    stride: Int,
+    rows: Int,
+    tid: Int,
+):
+    """Starts copying rows `t < rows` of ROW_LEN floats at `base + t * stride` to
+    consecutive rows of `dst`, 16 bytes per copy, spread over the block's threads."""
+    comptime VECTORS = ROW_LEN // COPY_FLOATS
+    comptime if THREADS % VECTORS == 0:
+        # Whole rows per pass: one source pointer per thread, stepped a row group at
+        # a time (offsets hoisted per pass would cost a 64-bit register each).
+        comptime ROWS_PER_PASS = THREADS // VECTORS
+        var t = tid // VECTORS
+        var within = (tid % VECTORS) * COPY_FLOATS
+        var source = src.unsafe_offset(base + t * stride + within)
+        comptime for s in range(ceildiv(MAX_ROWS, ROWS_PER_PASS)):
+            if t + s * ROWS_PER_PASS < rows:
+                async_copy[16](
+                    source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+                    dst.unsafe_offset((t + s * ROWS_PER_PASS) * ROW_LEN + within),
+                )
+            source = source.unsafe_offset(ROWS_PER_PASS * stride)
+    else:
+        comptime for s in range(ceildiv(MAX_ROWS * VECTORS, THREADS)):
+            var v = tid + s * THREADS
+            if v < rows * VECTORS:
+                var t = v // VECTORS
+                var within = (v % VECTORS) * COPY_FLOATS
+                async_copy[16](
+                    src.unsafe_offset(base + t * stride + within).unsafe_address_space_cast[
+                        AddressSpace.GLOBAL
+                    ](),
+                    dst.unsafe_offset(t * ROW_LEN + within),
+                )
+
+
+@always_inline
+def copy_scalars_async(
+    dst: SharedFloats,
+    src: Pointer[Float32, ImmutAnyOrigin],
+    base: Int,
+    stride: Int,
+    count: Int,
+    tid: Int,
+):
+    """Starts copying the floats at `base + t * stride`, t < count (count <= threads)."""
+    if tid < count:
+        async_copy[4](
+            src.unsafe_offset(base + tid * stride).unsafe_address_space_cast[AddressSpace.GLOBAL](),
+            dst.unsafe_offset(tid),
+        )
+
+
+@always_inline
+def copy_state_tile_async[
+    state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    dst: Pointer[Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    state: Pointer[Scalar[state_dtype], ImmutAnyOrigin],
+    base: Int,
+    tid: Int,
+):
+    """Starts copying the K x COLUMN_TILE state tile at `base` (row stride V) to rows of
+    `state_tile_pitch` elements."""
+    comptime SIZE = size_of[state_dtype]()
+    comptime COPY_BYTES = 16 if (COLUMN_TILE * SIZE) % 16 == 0 else 8
+    comptime PER_COPY = COPY_BYTES // SIZE
+    comptime PER_ROW = COLUMN_TILE // PER_COPY
+    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
+    comptime assert THREADS % PER_ROW == 0, "a pass of the block copies whole tile rows"
+    comptime ROWS_PER_PASS = THREADS // PER_ROW
+    # Per thread one source row and column; each pass is a constant offset from it.
+    var r = tid // PER_ROW
+    var c = (tid % PER_ROW) * PER_COPY
+    var source = state.unsafe_offset(base + r * V + c)
+    var target = dst.unsafe_offset(r * PITCH + c)
+    comptime for s in range(ceildiv(K, ROWS_PER_PASS)):
+        if K % ROWS_PER_PASS == 0 or r + s * ROWS_PER_PASS < K:
+            async_copy[COPY_BYTES](
+                source.unsafe_offset(s * ROWS_PER_PASS * V).unsafe_address_space_cast[
+                    AddressSpace.GLOBAL
+                ](),
+                target.unsafe_offset(s * ROWS_PER_PASS * PITCH),
+            )
+
+
+@always_inline
+def copy_records_async[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    keys: SharedFloats,
+    deltas: SharedFloats,
+    decays: SharedFloats,
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    first_record: Int,
+    count: Int,
+    record_stride: Int,
+    group_size: Int,
+    group_slot: Int,
+    column: Int,
+    tid: Int,
+):
+    """Starts copying `count` records from `first_record`: the raw keys, this tile's
+    delta columns and this head's decays."""
+    copy_floats_async[K, WINDOW_CHUNK, THREADS](
+        keys, ring, first_record + key_offset(), record_stride, count, tid
+    )
+    copy_floats_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
+        deltas, ring, first_record + delta_offset[K, V](group_slot) + column,
+        record_stride, count, tid,
+    )
+    copy_scalars_async(
+        decays, ring, first_record + decay_offset[K, V](group_size, group_slot),
+        record_stride, count, tid,
+    )
+
+
+@always_inline
+def copy_tokens_async[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    queries: SharedFloats,
+    keys: SharedFloats,
+    values: SharedFloats,
+    decays: SharedFloats,
+    betas: SharedFloats,
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    first_token: Int,
+    count: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    column: Int,
+    tid: Int,
+):
+    """Starts copying `count` tokens from `first_token`: q and k of the key head, this
+    tile's value columns, and this head's decay and beta."""
+    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+    var token = first_token * qkv_width
+    copy_floats_async[K, WINDOW_CHUNK, THREADS](
+        queries, qkv, token + key_head * K, qkv_width, count, tid
+    )
+    copy_floats_async[K, WINDOW_CHUNK, THREADS](
+        keys, qkv, token + (num_key_heads + key_head) * K, qkv_width, count, tid
+    )
+    copy_floats_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
+        values, qkv, token + 2 * num_key_heads * K + value_head * V + column,
+        qkv_width, count, tid,
+    )
+    var at = first_token * num_value_heads + value_head
+    copy_scalars_async(decays, decay, at, num_value_heads, count, tid)
+    copy_scalars_async(betas, beta, at, num_value_heads, count, tid)
+
+
+@always_inline
+def lane_sum[width: Int](value: SIMD[DType.float32, width]) -> SIMD[DType.float32, width]:
+    """Adds the value over the 8 lanes of a group: (p, p^4), then (p, p^2), then (p, p^1).
+
+    IEEE addition commutes, so every lane of the group ends with the same bits.
+    """
+    var total = value
+    comptime for offset in [4, 2, 1]:
+        comptime for e in range(width):
+            total[e] = total[e] + shuffle_xor(total[e], UInt32(offset))
+    return total
+
+
+@always_inline
+def normalise_tokens[
+    K: Int, THREADS: Int
+](
+    queries: SharedFloats,
+    keys: SharedFloats,
+    count: Int,
+    queries_hat: SharedFloats,
+    keys_by_lane: SharedFloats,
+    inverse_key_norms: SharedFloats,
+    tid: Int,
+):
+    """Norms of the staged tokens' q and k, once per block.
+
+    Eight threads share one vector: thread `lane` sums the squares of elements
+    `lane, lane + 8, ...` in the fixed lane order, then the group adds its lanes. It
+    writes q / |q| / sqrt(K) and the raw k in lane-major order (the values a compute
+    thread of that lane needs, side by side, for 16-byte loads) and 1 / |k|.
+    Every thread runs the shuffles; only tokens below `count` are written.
+    """
+    comptime ROWS = K // REDUCTION_LANES
+    comptime PITCH = permuted_pitch[K]()
+    comptime UNITS = WINDOW_CHUNK * 2 * REDUCTION_LANES
+    comptime scale = query_scale[K]()
+    comptime for s in range(ceildiv(UNITS, THREADS)):
+        var unit = tid + s * THREADS
+        var lane = unit % REDUCTION_LANES
+        var is_key = (unit // REDUCTION_LANES) % 2 == 1
+        var token = min(unit // (2 * REDUCTION_LANES), WINDOW_CHUNK - 1)
+        var source = keys if is_key else queries
+        var squares = Float32(0.0)
+        comptime for m in range(ROWS):
+            var x = source[unsafe_offset=token * K + m * REDUCTION_LANES + lane]
+            squares = fma(x, x, squares)
+        var inverse = Float32(1.0) / rounded_sqrt(lane_sum[1](squares)[0] + L2_EPS)
+        if unit < UNITS and unit // (2 * REDUCTION_LANES) < count:
+            var at = (token * REDUCTION_LANES + lane) * PITCH
+            if is_key:
+                comptime for m in range(ROWS):
+                    keys_by_lane[unsafe_offset=at + m] = source[
+                        unsafe_offset=token * K + m * REDUCTION_LANES + lane
+                    ]
+                if lane == 0:
+                    inverse_key_norms[unsafe_offset=token] = inverse
+            else:
+                var q_scale = inverse * scale
+                comptime for m in range(ROWS):
+                    queries_hat[unsafe_offset=at + m] = (
+                        source[unsafe_offset=token * K + m * REDUCTION_LANES + lane] * q_scale
+                    )

@@ -25,7 +25,7 @@ run of requests, so the copies of one request overlap the arithmetic of another.
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
-from std.math import fma
+from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 from std.utils import StaticTuple
@@ -41,6 +41,7 @@ from .window_gpu_staging import (
     copy_tokens_async,
     normalise_tokens,
     permuted_pitch,
+    RequestPlan,
     plan_request,
     shared_floats,
     state_tile_pitch,
@@ -48,8 +49,12 @@ from .window_gpu_staging import (
     window_shared_bytes,
 )
 
-# Value columns per thread: one 16-byte fp32 vector.
-comptime THREAD_COLUMNS = 4
+# Value columns per thread. Two, not four: a thread then holds K/4 state floats, few
+# enough registers that twice the warps fit on an SM beside the shared staging,
+# which is what hides the latency of the reductions.
+comptime THREAD_COLUMNS = 2
+# Lanes of a group that end a column sum holding the same column.
+comptime LANES_PER_COLUMN = REDUCTION_LANES // THREAD_COLUMNS
 comptime WARP_SIZE = 32
 
 
@@ -59,38 +64,33 @@ def window_block_threads[COLUMN_TILE: Int]() -> Int:
 
 @always_inline
 def column_sum(x: SIMD[DType.float32, THREAD_COLUMNS], lane: Int) -> Float32:
-    """Sums each of the 4 columns over the 8 lanes of a group; lane p returns column
-    p / 2.
+    """Sums each column over the 8 lanes of a group; lane p returns column
+    p / LANES_PER_COLUMN.
 
     The additions are those of adding (p, p^4), then (p, p^2), then (p, p^1) for
-    every column (IEEE addition commutes), but each step passes on only the columns
-    the partner keeps: 4 shuffles instead of 12.
+    every column (IEEE addition commutes), but the first step passes on only the
+    column the partner keeps: 3 shuffles instead of 6.
     """
+    comptime assert THREAD_COLUMNS == 2, "column_sum splits two columns"
     var high = (lane & 4) != 0
-    var keep0 = x[2] if high else x[0]
-    var keep1 = x[3] if high else x[1]
-    var send0 = x[0] if high else x[2]
-    var send1 = x[1] if high else x[3]
-    var pair0 = keep0 + shuffle_xor(send0, UInt32(4))
-    var pair1 = keep1 + shuffle_xor(send1, UInt32(4))
-    var middle = (lane & 2) != 0
-    var keep = pair1 if middle else pair0
-    var send = pair0 if middle else pair1
-    var quad = keep + shuffle_xor(send, UInt32(2))
+    var keep = x[1] if high else x[0]
+    var send = x[0] if high else x[1]
+    var pair = keep + shuffle_xor(send, UInt32(4))
+    var quad = pair + shuffle_xor(pair, UInt32(2))
     return quad + shuffle_xor(quad, UInt32(1))
 
 
 @always_inline
 def gather_columns(own: Float32, group_first_lane: Int) -> SIMD[DType.float32, THREAD_COLUMNS]:
-    """Column c of the result comes from lane 2c of the group (see column_sum)."""
+    """Column c of the result comes from lane LANES_PER_COLUMN * c of the group."""
     var columns = SIMD[DType.float32, THREAD_COLUMNS](0.0)
     comptime for c in range(THREAD_COLUMNS):
-        columns[c] = shuffle_idx(own, UInt32(group_first_lane + 2 * c))
+        columns[c] = shuffle_idx(own, UInt32(group_first_lane + LANES_PER_COLUMN * c))
     return columns
 
 
-# Shared memory, not registers, bounds the blocks an SM holds; tell the register
-# allocator how many that is, so it does not use more registers than they leave.
+# Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
+# so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
     MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](
         Int32(window_block_threads[COLUMN_TILE]())
@@ -138,7 +138,7 @@ def windows_gpu_kernel[
     comptime STATE_ALIGN = VEC * size_of[state_dtype]()
     comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
     comptime LANE_PITCH = permuted_pitch[K]()
-    comptime LANE_VECTORS = LANE_PITCH // 4
+    comptime LANE_VECTORS = ceildiv(ROWS, 4)
     comptime assert (
         window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
     ), "the window kernel's shared memory exceeds 48 KiB: use a smaller COLUMN_TILE"
@@ -190,13 +190,16 @@ def windows_gpu_kernel[
     if first >= last:
         return
 
-    # Starts every copy request `request` needs first, into buffer `buffer`.
     @always_inline
-    def start_copies(request: Int, buffer: Int) {imm}:
-        var plan = plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
+    def plan_of(request: Int) {imm} -> RequestPlan:
+        return plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
             request, row_ids, ring_row_ids, offsets, previous_ring_row_ids,
             previous_accepted, num_tokens, num_rows, num_ring_rows,
         )
+
+    # Starts every copy a request needs first, into buffer `buffer`.
+    @always_inline
+    def start_copies(plan: RequestPlan, buffer: Int) {imm}:
         if plan.runs:
             copy_state_tile_async[state_dtype, K, V, COLUMN_TILE, THREADS](
                 state_tile, state, plan.row * row_elements + value_head * K * V + tile_start,
@@ -224,13 +227,14 @@ def windows_gpu_kernel[
             )
         async_copy_commit_group()
 
-    start_copies(first, 0)
+    var upcoming = plan_of(first)
+    start_copies(upcoming, 0)
     for request in range(first, last):
         var buffer = (request - first) % 2
-        var plan = plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
-            request, row_ids, ring_row_ids, offsets, previous_ring_row_ids,
-            previous_accepted, num_tokens, num_rows, num_ring_rows,
-        )
+        var plan = upcoming
+        if request + 1 < last:
+            # Read the next request's ids now; their latency hides behind the wait below.
+            upcoming = plan_of(request + 1)
         var queries = token_queries.unsafe_offset(buffer * CHUNK * K)
         var keys = token_keys.unsafe_offset(buffer * CHUNK * K)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
@@ -257,13 +261,13 @@ def windows_gpu_kernel[
 
         # 2. The next request's copies run while this one computes.
         if request + 1 < last:
-            start_copies(request + 1, 1 - buffer)
+            start_copies(upcoming, 1 - buffer)
 
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
             if lane == 0:
                 for t in range(plan.start, plan.end):
-                    readout.unsafe_store[alignment=16](
+                    readout.unsafe_store[alignment=4 * VEC](
                         t * readout_width + value_head * V + column,
                         SIMD[DType.float32, VEC](nan[DType.float32]()),
                     )
@@ -299,7 +303,7 @@ def windows_gpu_kernel[
                         barrier()
                     for t in range(count):
                         var d = rdecays[unsafe_offset=t]
-                        var u = rdeltas.unsafe_load[width=VEC, alignment=16](
+                        var u = rdeltas.unsafe_load[width=VEC, alignment=4 * VEC](
                             t * COLUMN_TILE + tile_column
                         )
                         comptime for m in range(ROWS):
@@ -348,7 +352,7 @@ def windows_gpu_kernel[
                     held[m] = held[m] * d
                     partial = fma(held[m], SIMD[DType.float32, VEC](k_lane[m // 4][m % 4]), partial)
                 var kv = column_sum(partial, lane)
-                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column + lane // 2]
+                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column + lane // LANES_PER_COLUMN]
                 var error = fma(-kv, inv_k, v)
                 var u = gather_columns((b * error) * inv_k, group_first_lane)
                 # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
@@ -358,25 +362,25 @@ def windows_gpu_kernel[
                     out = fma(held[m], SIMD[DType.float32, VEC](q_lane[m // 4][m % 4]), out)
                 var o = column_sum(out, lane)
                 var t = chunk_start + c
-                if lane % 2 == 0:
-                    readout[unsafe_offset=t * readout_width + value_head * V + column + lane // 2] = o
+                if lane % LANES_PER_COLUMN == 0:
+                    readout[unsafe_offset=
+                        t * readout_width + value_head * V + column + lane // LANES_PER_COLUMN
+                    ] = o
                 comptime if RECORD:
                     if not plan.commit:
                         var record = (record_row_base + t - plan.start) * record_stride
                         if lane == 0:
-                            ring.unsafe_store[alignment=16](
+                            ring.unsafe_store[alignment=4 * VEC](
                                 record + delta_offset[K, V](group_slot) + column, u
                             )
                         if tile == 0:
                             if tid == 0:
                                 ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
                             if group_slot == 0:
-                                for vector in range(tid, K // VEC, THREADS):
+                                for vector in range(tid, K // 4, THREADS):
                                     ring.unsafe_store[alignment=16](
-                                        record + key_offset() + vector * VEC,
-                                        keys.unsafe_load[width=VEC, alignment=16](
-                                            c * K + vector * VEC
-                                        ),
+                                        record + key_offset() + vector * 4,
+                                        keys.unsafe_load[width=4, alignment=16](c * K + vector * 4),
                                     )
 
         # 5. A forward, or a window too long for the ring, commits the state.

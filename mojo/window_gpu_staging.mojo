@@ -29,6 +29,10 @@ comptime BLOCK_SHARED_LIMIT = 48 * 1024
 # Shared memory of one SM of an H100/H200, and what each resident block costs on top.
 comptime SM_SHARED_BYTES = 228 * 1024
 comptime BLOCK_SHARED_RESERVED = 1024
+# Registers of one SM, and the most a thread of the window kernel gets: with fewer,
+# the compiler spills the state and addresses it keeps across a request.
+comptime SM_REGISTERS = 65536
+comptime THREAD_REGISTERS = 128
 
 comptime SharedFloats = Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
@@ -72,9 +76,12 @@ def window_shared_bytes[
 def window_blocks_per_sm[
     state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, THREADS: Int
 ]() -> Int:
-    """Blocks an H100/H200 SM holds at once, as its shared memory allows."""
+    """Blocks an H100/H200 SM holds at once, as its shared memory and THREAD_REGISTERS
+    registers per thread allow."""
     var bytes = window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]()
-    return max(1, min(SM_SHARED_BYTES // (bytes + BLOCK_SHARED_RESERVED), 2048 // THREADS))
+    var by_shared = SM_SHARED_BYTES // (bytes + BLOCK_SHARED_RESERVED)
+    var by_registers = SM_REGISTERS // (THREADS * THREAD_REGISTERS)
+    return max(1, min(by_shared, by_registers, 2048 // THREADS))
 
 
 @fieldwise_init
@@ -193,7 +200,9 @@ def copy_scalars_async(
         )
 
 
-@always_inline
+# The three copy functions below stay out of line: inlined, their addresses are
+# hoisted out of the kernel's request loop and held in registers for its whole life.
+@no_inline
 def copy_state_tile_async[
     state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
 ](
@@ -226,7 +235,7 @@ def copy_state_tile_async[
             )
 
 
-@always_inline
+@no_inline
 def copy_records_async[
     K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
 ](
@@ -257,7 +266,7 @@ def copy_records_async[
     )
 
 
-@always_inline
+@no_inline
 def copy_tokens_async[
     K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
 ](

@@ -47,8 +47,8 @@ def stage_vectors[
     accepted: Int,
     tid: Int,
 ):
-    """Copies `field_len` floats at `field_at` of each of the first `accepted` rows
-    (ring records, or the verify's tokens in qkv) to shared memory, row after row.
+    """Copies `field_len` floats at `field_at` of each of the first `accepted` ring
+    records to shared memory, record after record.
 
     COUNT bounds the 16-byte vectors over every possible row; the loop is unrolled
     so that every load a thread makes is in flight at once.

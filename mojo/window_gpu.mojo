@@ -3,9 +3,10 @@ tile, run of requests) of one layer.
 
 A head's [K, V] state splits into independent column tiles (kv[j] and the readout
 only ever sum down column j). Threads come in groups of REDUCTION_LANES: thread
-`lane` of a group holds key rows `lane, lane + 8, lane + 16, ...` of one 4-column
-vector in registers, so every reduction over K is an fma chain per thread followed by
-an exchange between the eight lanes in the fixed order of recurrence_math.mojo.
+`lane` of a group holds key rows `lane, lane + 8, lane + 16, ...` of THREAD_COLUMNS
+neighbouring columns in registers, so every reduction over K is an fma chain per thread
+followed by an exchange between the eight lanes in the fixed order of
+recurrence_math.mojo.
 
 Per request, the block
 1. waits for the asynchronous copies of the request's state tile, first records and

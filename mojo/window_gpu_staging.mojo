@@ -29,8 +29,9 @@ comptime BLOCK_SHARED_LIMIT = 48 * 1024
 # Shared memory of one SM of an H100/H200, and what each resident block costs on top.
 comptime SM_SHARED_BYTES = 228 * 1024
 comptime BLOCK_SHARED_RESERVED = 1024
-# Registers of one SM, and the most a thread of the window kernel gets: with fewer,
-# the compiler spills the state and addresses it keeps across a request.
+# Registers of one SM, and the most a thread of the window kernel gets. At 96 ptxas
+# spills about 200 bytes per thread; 168 leaves room for 3 blocks per SM and measured
+# slower than 128 on an H200 (bench/window-tuning-h200-2026-11-29.txt).
 comptime SM_REGISTERS = 65536
 comptime THREAD_REGISTERS = 128
 

@@ -13,8 +13,8 @@ from std.utils import IndexList
 
 from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
 from .window_cpu import windows_cpu
-from .window_gpu import THREAD_COLUMNS, window_block_threads, windows_gpu_kernel
-from .window_gpu_staging import window_blocks_per_sm
+from .window_gpu import window_block_threads, windows_gpu_kernel
+from .window_gpu_staging import COPY_FLOATS, window_blocks_per_sm
 
 
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
@@ -124,9 +124,10 @@ def run_windows[
 ) raises:
     """Checks every operand, then runs each request's window (see window_cpu/gpu)."""
     check_head_dims[K, V, RING_LEN]()
+    # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a time.
     comptime assert (
-        COLUMN_TILE >= THREAD_COLUMNS
-        and COLUMN_TILE % THREAD_COLUMNS == 0
+        COLUMN_TILE >= COPY_FLOATS
+        and COLUMN_TILE % COPY_FLOATS == 0
         and V % COLUMN_TILE == 0
     ), "COLUMN_TILE must be a multiple of 4 that divides V"
     comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"

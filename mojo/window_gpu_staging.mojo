@@ -65,7 +65,7 @@ def window_shared_bytes[
     state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
 ]() -> Int:
     """Static shared memory of one block of the window kernel."""
-    var floats = 0
+    var floats = 3 * 4  # the record buffers' minimum size, when nothing is folded
     if FOLD_PREVIOUS:
         floats += 2 * WINDOW_CHUNK * (K + COLUMN_TILE + 1)  # two buffers of records
     floats += 2 * WINDOW_CHUNK * (2 * K + COLUMN_TILE + 2)  # two buffers of tokens

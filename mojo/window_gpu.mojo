@@ -198,6 +198,11 @@ def windows_gpu_kernel[
             previous_accepted, num_tokens, num_rows, num_ring_rows,
         )
 
+    # Where the request's previous records for this key head start in the ring.
+    @always_inline
+    def previous_records_at(plan: RequestPlan) {imm} -> Int:
+        return (plan.previous_row * num_key_heads + key_head) * RING_LEN * record_stride
+
     # Starts every copy a request needs first, into buffer `buffer`.
     @always_inline
     def start_copies(plan: RequestPlan, buffer: Int) {imm}:
@@ -213,7 +218,7 @@ def windows_gpu_kernel[
                         record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
                         record_decays.unsafe_offset(buffer * RECORD_DECAYS),
                         ring,
-                        (plan.previous_row * num_key_heads + key_head) * RING_LEN * record_stride,
+                        previous_records_at(plan),
                         min(CHUNK, plan.accepted), record_stride, group_size, group_slot,
                         tile_start, tid,
                     )
@@ -284,9 +289,7 @@ def windows_gpu_kernel[
         comptime if FOLD_PREVIOUS:
             if plan.accepted > 0:
                 changed = True
-                var record_row = (
-                    (plan.previous_row * num_key_heads + key_head) * RING_LEN * record_stride
-                )
+                var record_row = previous_records_at(plan)
                 var rkeys = record_keys.unsafe_offset(buffer * RECORD_KEYS)
                 var rdeltas = record_deltas.unsafe_offset(buffer * RECORD_DELTAS)
                 var rdecays = record_decays.unsafe_offset(buffer * RECORD_DECAYS)

@@ -2,22 +2,24 @@
 tile, run of requests) of one layer.
 
 A head's [K, V] state splits into independent column tiles (kv[j] and the readout
-only ever sum down column j). Threads come in groups of REDUCTION_LANES: thread
-`lane` of a group holds key rows `lane, lane + 8, lane + 16, ...` of THREAD_COLUMNS
-neighbouring columns in registers, so every reduction over K is an fma chain per thread
-followed by an exchange between the eight lanes in the fixed order of
+only ever sum down column j). Each column of a tile belongs to four threads: thread j
+holds the key rows of reduction lanes j and j + 4 (`j, j + 4, j + 8, j + 12, ...`) in
+registers, so every reduction over K is two fma chains per thread, the first pairwise
+step inside the thread and two butterfly shuffles, in the fixed order of
 recurrence_math.mojo.
 
 Per request, the block
 1. waits for the asynchronous copies of the request's state tile, first records and
    first tokens (window_gpu_staging.mojo), computes the tokens' norms once, and
-   moves the state tile to registers;
+   moves the state tile to registers (the ids of its requests wait in shared memory,
+   read a table at a time);
 2. starts the copies for its next request, so that they land while it computes;
 3. folds the previous step's accepted records into the state when asked to (fold on
    load) and writes the folded state back: a decoding step reads and writes each
    state element once;
 4. runs the window token by token, writing the readout and, for a verify, the ring
    records; a forward, or a window longer than the ring, writes the state instead.
+   A token's readout sums finish while the next token computes.
 
 The grid holds about as many blocks as the GPU runs at once, each working through a
 run of requests, so the copies of one request overlap the arithmetic of another.
@@ -25,22 +27,30 @@ run of requests, so the copies of one request overlap the arithmetic of another.
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
-from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
+from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
-from std.sys import size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
 from .record_layout import decay_offset, delta_offset, key_offset
 from .recurrence_math import REDUCTION_LANES
 from .window_gpu_staging import (
+    BETA_AT,
     BLOCK_SHARED_LIMIT,
+    DECAY_AT,
+    INVERSE_KEY_NORM_AT,
+    PLAN_FIELDS,
+    PLAN_SLOTS,
+    TOKEN_SCALARS,
+    load_plan_ids,
     WINDOW_CHUNK,
     copy_records_async,
     copy_state_tile_async,
     copy_tokens_async,
     normalise_tokens,
+    quotient,
+    remainder,
     permuted_pitch,
     RequestPlan,
     plan_request,
@@ -50,44 +60,26 @@ from .window_gpu_staging import (
     window_shared_bytes,
 )
 
-# Value columns per thread. Two, not four: a thread then holds K/4 state floats, few
-# enough registers that twice the warps fit on an SM beside the shared staging,
-# which is what hides the latency of the reductions.
-comptime THREAD_COLUMNS = 2
-# Lanes of a group that end a column sum holding the same column.
-comptime LANES_PER_COLUMN = REDUCTION_LANES // THREAD_COLUMNS
-comptime WARP_SIZE = 32
+# A column's eight reduction lanes live on COLUMN_THREADS threads: thread j holds the
+# key rows of lanes j and j + 4 (LANE_PAIR of them). The first pairwise step of every
+# sum over K, (p, p + 4), then happens inside the thread, the other two take one
+# shuffle each, and every thread of the column ends with the whole sum.
+comptime LANE_PAIR = 2
+comptime COLUMN_THREADS = REDUCTION_LANES // LANE_PAIR
+comptime Pair = SIMD[DType.float32, LANE_PAIR]
 
 
 def window_block_threads[COLUMN_TILE: Int]() -> Int:
-    return (COLUMN_TILE // THREAD_COLUMNS) * REDUCTION_LANES
+    return COLUMN_TILE * COLUMN_THREADS
 
 
 @always_inline
-def column_sum(x: SIMD[DType.float32, THREAD_COLUMNS], lane: Int) -> Float32:
-    """Sums each column over the 8 lanes of a group; lane p returns column
-    p / LANES_PER_COLUMN.
-
-    The additions are those of adding (p, p^4), then (p, p^2), then (p, p^1) for
-    every column (IEEE addition commutes), but the first step passes on only the
-    column the partner keeps: 3 shuffles instead of 6.
-    """
-    comptime assert THREAD_COLUMNS == 2, "column_sum splits two columns"
-    var high = (lane & 4) != 0
-    var keep = x[1] if high else x[0]
-    var send = x[0] if high else x[1]
-    var pair = keep + shuffle_xor(send, UInt32(4))
-    var quad = pair + shuffle_xor(pair, UInt32(2))
-    return quad + shuffle_xor(quad, UInt32(1))
-
-
-@always_inline
-def gather_columns(own: Float32, group_first_lane: Int) -> SIMD[DType.float32, THREAD_COLUMNS]:
-    """Column c of the result comes from lane LANES_PER_COLUMN * c of the group."""
-    var columns = SIMD[DType.float32, THREAD_COLUMNS](0.0)
-    comptime for c in range(THREAD_COLUMNS):
-        columns[c] = shuffle_idx(own, UInt32(group_first_lane + LANES_PER_COLUMN * c))
-    return columns
+def column_sum(lanes: Pair) -> Float32:
+    """Adds a column's eight lane sums in the fixed order: `lanes` holds lanes j and
+    j + 4 of thread j. IEEE addition commutes, so every thread gets the same bits."""
+    var pairs = lanes[0] + lanes[1]  # (p, p + 4)
+    var quads = pairs + shuffle_xor(pairs, UInt32(2))  # (p, p + 2)
+    return quads + shuffle_xor(quads, UInt32(1))  # (p, p + 1)
 
 
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
@@ -134,9 +126,7 @@ def windows_gpu_kernel[
     comptime TILES = V // COLUMN_TILE
     comptime ROWS = K // REDUCTION_LANES
     comptime THREADS = window_block_threads[COLUMN_TILE]()
-    comptime VEC = THREAD_COLUMNS
     comptime CHUNK = WINDOW_CHUNK
-    comptime STATE_ALIGN = VEC * size_of[state_dtype]()
     comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
     comptime LANE_PITCH = permuted_pitch[K]()
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
@@ -158,9 +148,9 @@ def windows_gpu_kernel[
     var key_head = value_head // group_size
     var group_slot = value_head % group_size
     var tid = Int(thread_idx.x)
-    var lane = tid % REDUCTION_LANES
-    var group_first_lane = (tid % WARP_SIZE) - lane
-    var tile_column = (tid // REDUCTION_LANES) * VEC
+    # This thread holds lanes `pair` and `pair + 4` of column `tile_column`.
+    var pair = remainder[COLUMN_THREADS](tid)
+    var tile_column = quotient[COLUMN_THREADS](tid)
     var tile_start = tile * COLUMN_TILE
     var column = tile_start + tile_column
 
@@ -179,11 +169,12 @@ def windows_gpu_kernel[
     var token_queries = shared_floats[2 * CHUNK * K]()
     var token_keys = shared_floats[2 * CHUNK * K]()
     var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
-    var token_decays = shared_floats[2 * CHUNK]()
-    var token_betas = shared_floats[2 * CHUNK]()
+    var token_scalars = shared_floats[2 * CHUNK * TOKEN_SCALARS]()
     var queries_hat = shared_floats[CHUNK * REDUCTION_LANES * LANE_PITCH]()
     var keys_by_lane = shared_floats[CHUNK * REDUCTION_LANES * LANE_PITCH]()
-    var inverse_key_norms = shared_floats[CHUNK]()
+    var plan_ids = stack_allocation[
+        PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
+    ]()
 
     var requests_per_block = Int(requests_per_block_i32)
     var first = Int(block_idx.y) * requests_per_block
@@ -191,11 +182,18 @@ def windows_gpu_kernel[
     if first >= last:
         return
 
+    # The ids of requests first + j * PLAN_SLOTS + i sit in slot i, a table at a time.
+    @always_inline
+    def load_plans(from_request: Int) {imm}:
+        load_plan_ids[RECORD, FOLD_PREVIOUS](
+            plan_ids, from_request, last, row_ids, ring_row_ids, offsets,
+            previous_ring_row_ids, previous_accepted, tid,
+        )
+
     @always_inline
     def plan_of(request: Int) {imm} -> RequestPlan:
         return plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
-            request, row_ids, ring_row_ids, offsets, previous_ring_row_ids,
-            previous_accepted, num_tokens, num_rows, num_ring_rows,
+            plan_ids, (request - first) % PLAN_SLOTS, num_tokens, num_rows, num_ring_rows
         )
 
     # Where the request's previous records for this key head start in the ring.
@@ -226,64 +224,78 @@ def windows_gpu_kernel[
                 token_queries.unsafe_offset(buffer * CHUNK * K),
                 token_keys.unsafe_offset(buffer * CHUNK * K),
                 token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
-                token_decays.unsafe_offset(buffer * CHUNK),
-                token_betas.unsafe_offset(buffer * CHUNK),
+                token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS),
                 qkv, decay, beta, plan.start, min(CHUNK, plan.end - plan.start),
                 num_key_heads, key_head, num_value_heads, value_head, tile_start, tid,
             )
         async_copy_commit_group()
 
-    var upcoming = plan_of(first)
-    start_copies(upcoming, 0)
+    load_plans(first)
+    barrier()
+    start_copies(plan_of(first), 0)
     for request in range(first, last):
         var buffer = (request - first) % 2
-        var plan = upcoming
-        if request + 1 < last:
-            # Read the next request's ids now; their latency hides behind the wait below.
-            upcoming = plan_of(request + 1)
+        var plan = plan_of(request)
         var queries = token_queries.unsafe_offset(buffer * CHUNK * K)
         var keys = token_keys.unsafe_offset(buffer * CHUNK * K)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
-        var decays = token_decays.unsafe_offset(buffer * CHUNK)
-        var betas = token_betas.unsafe_offset(buffer * CHUNK)
+        var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)
         var first_count = min(CHUNK, plan.end - plan.start)
 
         # 1. This request's copies have landed, for every thread; the block is done
         #    with the previous request.
         async_copy_wait_all()
         barrier()
-        var held = Array[SIMD[DType.float32, VEC], ROWS](fill=0.0)
+        # held[m][h] is state row m * 8 + pair + 4 * h of the thread's column.
+        var held = Array[Pair, ROWS](fill=0.0)
         if plan.runs:
             if first_count > 0:
                 normalise_tokens[K, THREADS](
-                    queries, keys, first_count, queries_hat, keys_by_lane, inverse_key_norms,
-                    tid,
+                    queries, keys, first_count, queries_hat, keys_by_lane, scalars, tid
                 )
             comptime for m in range(ROWS):
-                held[m] = state_tile.unsafe_load[width=VEC, alignment=STATE_ALIGN](
-                    (m * REDUCTION_LANES + lane) * PITCH + tile_column
-                ).cast[DType.float32]()
-        barrier()  # the state tile is free and the norms are written
+                comptime for h in range(LANE_PAIR):
+                    held[m][h] = state_tile[
+                        unsafe_offset=(m * REDUCTION_LANES + h * COLUMN_THREADS + pair) * PITCH
+                        + tile_column
+                    ].cast[DType.float32]()
+        var next = request + 1
+        if next < last and (next - first) % PLAN_SLOTS == 0:
+            load_plans(next)  # every thread has read this request's plan
+        barrier()  # the state tile is free, the norms are written, the ids are read
 
         # 2. The next request's copies run while this one computes.
-        if request + 1 < last:
-            start_copies(upcoming, 1 - buffer)
+        if next < last:
+            start_copies(plan_of(next), 1 - buffer)
 
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
-            if lane == 0:
+            if pair == 0:
                 for t in range(plan.start, plan.end):
-                    readout.unsafe_store[alignment=4 * VEC](
-                        t * readout_width + value_head * V + column,
-                        SIMD[DType.float32, VEC](nan[DType.float32]()),
-                    )
+                    readout[unsafe_offset=t * readout_width + value_head * V + column] = nan[
+                        DType.float32
+                    ]()
         if not plan.runs:
             continue
         # This thread's first state row; the others are constant offsets from it.
         var state_rows = state.unsafe_offset(
-            plan.row * row_elements + value_head * K * V + lane * V + column
+            plan.row * row_elements + value_head * K * V + pair * V + column
         )
         var changed = plan.end > plan.start
+
+        @always_inline
+        def store_readout(token: Int, o: Float32) {imm}:
+            if pair == 0:
+                readout[unsafe_offset=token * readout_width + value_head * V + column] = o
+
+        # Writes the held state as the pool's dtype.
+        @always_inline
+        def store_state(values: Array[SIMD[state_dtype, LANE_PAIR], ROWS]) {imm}:
+            comptime for m in range(ROWS):
+                comptime for h in range(LANE_PAIR):
+                    state_rows[
+                        unsafe_offset=(m * REDUCTION_LANES + h * COLUMN_THREADS) * V
+                    ] = values[m][h]
 
         # 3. Fold on load: apply the previous step's accepted records, as the fold would.
         comptime if FOLD_PREVIOUS:
@@ -307,20 +319,20 @@ def windows_gpu_kernel[
                         barrier()
                     for t in range(count):
                         var d = rdecays[unsafe_offset=t]
-                        var u = rdeltas.unsafe_load[width=VEC, alignment=4 * VEC](
-                            t * COLUMN_TILE + tile_column
-                        )
+                        var u = Pair(rdeltas[unsafe_offset=t * COLUMN_TILE + tile_column])
                         comptime for m in range(ROWS):
-                            var k = rkeys[unsafe_offset=t * K + m * REDUCTION_LANES + lane]
-                            held[m] = fma(SIMD[DType.float32, VEC](k), u, held[m] * d)
+                            var at = t * K + m * REDUCTION_LANES + pair
+                            var k = Pair(
+                                rkeys[unsafe_offset=at], rkeys[unsafe_offset=at + COLUMN_THREADS]
+                            )
+                            held[m] = fma(k, u, held[m] * d)
                 # What a separate fold leaves in the pool, and what a verify reads back.
+                var stored = Array[SIMD[state_dtype, LANE_PAIR], ROWS](uninitialized=True)
                 comptime for m in range(ROWS):
-                    var stored = held[m].cast[state_dtype]()
-                    held[m] = stored.cast[DType.float32]()
-                    if not plan.commit:
-                        state_rows.unsafe_store[alignment=STATE_ALIGN](
-                            m * REDUCTION_LANES * V, stored
-                        )
+                    stored[m] = held[m].cast[state_dtype]()
+                    held[m] = stored[m].cast[DType.float32]()
+                if not plan.commit:
+                    store_state(stored)
 
         # 4. The window, WINDOW_CHUNK tokens at a time.
         var record_row_base = (plan.ring_row * num_key_heads + key_head) * RING_LEN
@@ -329,7 +341,7 @@ def windows_gpu_kernel[
             if chunk_start > plan.start:
                 barrier()  # done with the previous chunk of tokens and its norms
                 copy_tokens_async[K, V, COLUMN_TILE, THREADS](
-                    queries, keys, values, decays, betas, qkv, decay, beta, chunk_start,
+                    queries, keys, values, scalars, qkv, decay, beta, chunk_start,
                     count, num_key_heads, key_head, num_value_heads, value_head,
                     tile_start, tid,
                 )
@@ -337,46 +349,67 @@ def windows_gpu_kernel[
                 async_copy_wait_all()
                 barrier()
                 normalise_tokens[K, THREADS](
-                    queries, keys, count, queries_hat, keys_by_lane, inverse_key_norms, tid
+                    queries, keys, count, queries_hat, keys_by_lane, scalars, tid
                 )
                 barrier()
+            # The readout sums of token c are finished while token c + 1 computes: their
+            # shuffles then overlap its arithmetic instead of stalling the warp.
+            var pending_out = Pair(0.0)
             for c in range(count):
-                var d = decays[unsafe_offset=c]
-                var b = betas[unsafe_offset=c]
-                var inv_k = inverse_key_norms[unsafe_offset=c]
-                var lane_at = (c * REDUCTION_LANES + lane) * LANE_PITCH
-                var k_lane = Array[SIMD[DType.float32, 4], LANE_VECTORS](uninitialized=True)
-                var q_lane = Array[SIMD[DType.float32, 4], LANE_VECTORS](uninitialized=True)
-                comptime for j in range(LANE_VECTORS):
-                    k_lane[j] = keys_by_lane.unsafe_load[width=4, alignment=16](lane_at + 4 * j)
-                    q_lane[j] = queries_hat.unsafe_load[width=4, alignment=16](lane_at + 4 * j)
+                var token_scalars_c = scalars.unsafe_load[width=TOKEN_SCALARS, alignment=16](
+                    c * TOKEN_SCALARS
+                )
+                var d = token_scalars_c[DECAY_AT]
+                var b = token_scalars_c[BETA_AT]
+                var inv_k = token_scalars_c[INVERSE_KEY_NORM_AT]
+                # The thread's two lanes' k and q, as 16-byte loads of the lane-major copies.
+                var k_lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](
+                    uninitialized=True
+                )
+                var q_lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](
+                    uninitialized=True
+                )
+                comptime for h in range(LANE_PAIR):
+                    var lane_at = (c * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
+                    comptime for j in range(LANE_VECTORS):
+                        k_lanes[h * LANE_VECTORS + j] = keys_by_lane.unsafe_load[
+                            width=4, alignment=16
+                        ](lane_at + 4 * j)
+
+                var previous_o = column_sum(pending_out)
                 # kv = S^T k on the decayed state.
-                var partial = SIMD[DType.float32, VEC](0.0)
+                var partial = Pair(0.0)
                 comptime for m in range(ROWS):
                     held[m] = held[m] * d
-                    partial = fma(held[m], SIMD[DType.float32, VEC](k_lane[m // 4][m % 4]), partial)
-                var kv = column_sum(partial, lane)
-                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column + lane // LANES_PER_COLUMN]
+                    var k = Pair(k_lanes[m // 4][m % 4], k_lanes[LANE_VECTORS + m // 4][m % 4])
+                    partial = fma(held[m], k, partial)
+                var kv = column_sum(partial)
+                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column]
+                # q only now: fewer registers are live during the sum above.
+                comptime for h in range(LANE_PAIR):
+                    var lane_at = (c * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
+                    comptime for j in range(LANE_VECTORS):
+                        q_lanes[h * LANE_VECTORS + j] = queries_hat.unsafe_load[
+                            width=4, alignment=16
+                        ](lane_at + 4 * j)
                 var error = fma(-kv, inv_k, v)
-                var u = gather_columns((b * error) * inv_k, group_first_lane)
+                var u = (b * error) * inv_k
                 # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
-                var out = SIMD[DType.float32, VEC](0.0)
+                var out = Pair(0.0)
                 comptime for m in range(ROWS):
-                    held[m] = fma(SIMD[DType.float32, VEC](k_lane[m // 4][m % 4]), u, held[m])
-                    out = fma(held[m], SIMD[DType.float32, VEC](q_lane[m // 4][m % 4]), out)
-                var o = column_sum(out, lane)
+                    var k = Pair(k_lanes[m // 4][m % 4], k_lanes[LANE_VECTORS + m // 4][m % 4])
+                    var q = Pair(q_lanes[m // 4][m % 4], q_lanes[LANE_VECTORS + m // 4][m % 4])
+                    held[m] = fma(k, Pair(u), held[m])
+                    out = fma(held[m], q, out)
+                pending_out = out
                 var t = chunk_start + c
-                if lane % LANES_PER_COLUMN == 0:
-                    readout[unsafe_offset=
-                        t * readout_width + value_head * V + column + lane // LANES_PER_COLUMN
-                    ] = o
+                if c > 0:
+                    store_readout(t - 1, previous_o)
                 comptime if RECORD:
                     if not plan.commit:
                         var record = (record_row_base + t - plan.start) * record_stride
-                        if lane == 0:
-                            ring.unsafe_store[alignment=4 * VEC](
-                                record + delta_offset[K, V](group_slot) + column, u
-                            )
+                        if pair == 0:
+                            ring[unsafe_offset=record + delta_offset[K, V](group_slot) + column] = u
                         if tile == 0:
                             if tid == 0:
                                 ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
@@ -386,10 +419,12 @@ def windows_gpu_kernel[
                                         record + key_offset() + vector * 4,
                                         keys.unsafe_load[width=4, alignment=16](c * K + vector * 4),
                                     )
+            if count > 0:
+                store_readout(chunk_start + count - 1, column_sum(pending_out))
 
         # 5. A forward, or a window too long for the ring, commits the state.
         if plan.commit and changed:
+            var final = Array[SIMD[state_dtype, LANE_PAIR], ROWS](uninitialized=True)
             comptime for m in range(ROWS):
-                state_rows.unsafe_store[alignment=STATE_ALIGN](
-                    m * REDUCTION_LANES * V, held[m].cast[state_dtype]()
-                )
+                final[m] = held[m].cast[state_dtype]()
+            store_state(final)

@@ -22,6 +22,12 @@ from .record_layout import decay_offset, delta_offset, key_offset
 # Records, and tokens, staged at a time. A longer fold or window stages the rest
 # chunk by chunk without overlap; verify windows are rarely longer.
 comptime WINDOW_CHUNK = 4
+# A token's scalars sit together, so that one 16-byte load brings them all.
+comptime TOKEN_SCALARS = 4
+comptime DECAY_AT = 0
+comptime BETA_AT = 1
+comptime INVERSE_KEY_NORM_AT = 2
+comptime WARP_THREADS = 32
 # Floats per 16-byte copy.
 comptime COPY_FLOATS = 4
 # Static shared memory a block may use.
@@ -29,11 +35,11 @@ comptime BLOCK_SHARED_LIMIT = 48 * 1024
 # Shared memory of one SM of an H100/H200, and what each resident block costs on top.
 comptime SM_SHARED_BYTES = 228 * 1024
 comptime BLOCK_SHARED_RESERVED = 1024
-# Registers of one SM, and the most a thread of the window kernel gets. At 96 ptxas
-# spills about 200 bytes per thread; 168 leaves room for 3 blocks per SM and measured
-# slower than 128 on an H200 (bench/window-tuning-h200-2026-11-29.txt).
+# Registers of one SM, and the most a thread of the window kernel gets: 168, so 3
+# blocks per SM. At 128 (4 blocks) ptxas spills about 110 bytes per thread, which
+# measured 24% slower on an H200 (bench/window-tuning-h200-2026-11-29.txt).
 comptime SM_REGISTERS = 65536
-comptime THREAD_REGISTERS = 128
+comptime THREAD_REGISTERS = 168
 
 comptime SharedFloats = Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
@@ -46,9 +52,9 @@ def shared_floats[count: Int]() -> SharedFloats:
 
 
 def state_tile_pitch[state_dtype: DType, COLUMN_TILE: Int]() -> Int:
-    """Elements per staged state row: the tile plus 16 bytes, so that the eight rows
-    a quarter warp reads at once fall on different banks."""
-    return COLUMN_TILE + 16 // size_of[state_dtype]()
+    """Elements per staged state row: the tile plus 8 elements (4 below 16 columns, to
+    save room), so that the four rows a warp reads at once fall on different banks."""
+    return COLUMN_TILE + (8 if COLUMN_TILE >= 16 else 4)
 
 
 def permuted_pitch[K: Int]() -> Int:
@@ -68,8 +74,9 @@ def window_shared_bytes[
     var floats = 3 * 4  # the record buffers' minimum size, when nothing is folded
     if FOLD_PREVIOUS:
         floats += 2 * WINDOW_CHUNK * (K + COLUMN_TILE + 1)  # two buffers of records
-    floats += 2 * WINDOW_CHUNK * (2 * K + COLUMN_TILE + 2)  # two buffers of tokens
-    floats += WINDOW_CHUNK * (2 * REDUCTION_LANES * permuted_pitch[K]() + 1)
+    floats += 2 * WINDOW_CHUNK * (2 * K + COLUMN_TILE + TOKEN_SCALARS)  # two buffers of tokens
+    floats += WINDOW_CHUNK * 2 * REDUCTION_LANES * permuted_pitch[K]()  # normalised q, k
+    floats += PLAN_FIELDS * PLAN_SLOTS  # the requests' ids
     var tile = K * state_tile_pitch[state_dtype, COLUMN_TILE]() * size_of[state_dtype]()
     return tile + 4 * floats
 
@@ -83,6 +90,16 @@ def window_blocks_per_sm[
     var by_shared = SM_SHARED_BYTES // (bytes + BLOCK_SHARED_RESERVED)
     var by_registers = SM_REGISTERS // (THREADS * THREAD_REGISTERS)
     return max(1, min(by_shared, by_registers, 2048 // THREADS))
+
+
+# Requests whose ids a block keeps in shared memory at a time. A block reads them once
+# per PLAN_SLOTS requests, so that deciding a request's plan never waits on memory.
+comptime PLAN_SLOTS = 32
+# The ids of one request in that table: its offsets, pool row, ring row, previous ring
+# row and previous accepted count.
+comptime PLAN_FIELDS = 6
+
+comptime SharedUInts = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @fieldwise_init
@@ -105,41 +122,80 @@ struct RequestPlan(ImplicitlyCopyable):
 
 
 @always_inline
-def plan_request[
-    RING_LEN: Int, RECORD: Bool, FOLD_PREVIOUS: Bool
+def load_plan_ids[
+    RECORD: Bool, FOLD_PREVIOUS: Bool
 ](
-    request: Int,
+    table: SharedUInts,
+    first: Int,
+    last: Int,
     row_ids: Pointer[UInt32, ImmutAnyOrigin],
     ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     offsets: Pointer[UInt32, ImmutAnyOrigin],
     previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
-    num_tokens: Int,
-    num_rows: Int,
-    num_ring_rows: Int,
+    tid: Int,
+):
+    """Thread `tid` stores the ids of request `first + tid` (if below `last` and within
+    PLAN_SLOTS) in slot `tid` of the table; field f of slot i sits at
+    `f * PLAN_SLOTS + i`. Needs a barrier before the table is read."""
+    var request = first + tid
+    if tid < PLAN_SLOTS and request < last:
+        table[unsafe_offset=tid] = offsets[unsafe_offset=request]
+        table[unsafe_offset=PLAN_SLOTS + tid] = offsets[unsafe_offset=request + 1]
+        table[unsafe_offset=2 * PLAN_SLOTS + tid] = row_ids[unsafe_offset=request]
+        comptime if RECORD:
+            table[unsafe_offset=3 * PLAN_SLOTS + tid] = ring_row_ids[unsafe_offset=request]
+        comptime if FOLD_PREVIOUS:
+            table[unsafe_offset=4 * PLAN_SLOTS + tid] = previous_ring_row_ids[
+                unsafe_offset=request
+            ]
+            table[unsafe_offset=5 * PLAN_SLOTS + tid] = previous_accepted[
+                unsafe_offset=request
+            ]
+
+
+@always_inline
+def plan_request[
+    RING_LEN: Int, RECORD: Bool, FOLD_PREVIOUS: Bool
+](
+    table: SharedUInts, slot: Int, num_tokens: Int, num_rows: Int, num_ring_rows: Int
 ) -> RequestPlan:
-    var start = Int(offsets[unsafe_offset=request])
-    var end = Int(offsets[unsafe_offset=request + 1])
+    """The plan of the request whose ids sit in `slot` of the table."""
+    var start = Int(table[unsafe_offset=slot])
+    var end = Int(table[unsafe_offset=PLAN_SLOTS + slot])
     var in_range = start <= end and end <= num_tokens
     var commit = not RECORD or end - start > RING_LEN
-    var row = Int(row_ids[unsafe_offset=request])
+    var row = Int(table[unsafe_offset=2 * PLAN_SLOTS + slot])
     var bad_id = row >= num_rows
     var ring_row = 0
     comptime if RECORD:
-        ring_row = Int(ring_row_ids[unsafe_offset=request])
+        ring_row = Int(table[unsafe_offset=3 * PLAN_SLOTS + slot])
         bad_id = bad_id or (not commit and ring_row >= num_ring_rows)
     var accepted = 0
     var previous_row = 0
     comptime if FOLD_PREVIOUS:
-        accepted = Int(previous_accepted[unsafe_offset=request])
+        accepted = Int(table[unsafe_offset=5 * PLAN_SLOTS + slot])
         if accepted > RING_LEN:
             accepted = 0
-        previous_row = Int(previous_ring_row_ids[unsafe_offset=request])
+        previous_row = Int(table[unsafe_offset=4 * PLAN_SLOTS + slot])
         bad_id = bad_id or (accepted > 0 and previous_row >= num_ring_rows)
     return RequestPlan(
         start, end, row, ring_row, previous_row, accepted, commit,
         in_range and not bad_id, in_range and bad_id,
     )
+
+
+@always_inline
+def quotient[DIVISOR: Int](index: Int) -> Int:
+    """`index // DIVISOR` for a thread index (never negative) in 32-bit unsigned
+    arithmetic, which is a shift where 64-bit signed division needs sign fixes."""
+    return Int(UInt32(index) // UInt32(DIVISOR))
+
+
+@always_inline
+def remainder[DIVISOR: Int](index: Int) -> Int:
+    """`index % DIVISOR` for a thread index, as `quotient` computes it."""
+    return Int(UInt32(index) % UInt32(DIVISOR))
 
 
 @always_inline
@@ -160,8 +216,8 @@ def copy_floats_async[
         # Whole rows per pass: one source pointer per thread, stepped a row group at
         # a time (offsets hoisted per pass would cost a 64-bit register each).
         comptime ROWS_PER_PASS = THREADS // VECTORS
-        var t = tid // VECTORS
-        var within = (tid % VECTORS) * COPY_FLOATS
+        var t = quotient[VECTORS](tid)
+        var within = remainder[VECTORS](tid) * COPY_FLOATS
         var source = src.unsafe_offset(base + t * stride + within)
         comptime for s in range(ceildiv(MAX_ROWS, ROWS_PER_PASS)):
             if t + s * ROWS_PER_PASS < rows:
@@ -174,8 +230,8 @@ def copy_floats_async[
         comptime for s in range(ceildiv(MAX_ROWS * VECTORS, THREADS)):
             var v = tid + s * THREADS
             if v < rows * VECTORS:
-                var t = v // VECTORS
-                var within = (v % VECTORS) * COPY_FLOATS
+                var t = quotient[VECTORS](v)
+                var within = remainder[VECTORS](v) * COPY_FLOATS
                 async_copy[16](
                     src.unsafe_offset(base + t * stride + within).unsafe_address_space_cast[
                         AddressSpace.GLOBAL
@@ -192,12 +248,14 @@ def copy_scalars_async(
     stride: Int,
     count: Int,
     tid: Int,
+    dst_stride: Int = 1,
 ):
-    """Starts copying the floats at `base + t * stride`, t < count (count <= threads)."""
+    """Starts copying the floats at `base + t * stride` to `dst[t * dst_stride]`, for
+    t < count (count <= threads)."""
     if tid < count:
         async_copy[4](
             src.unsafe_offset(base + tid * stride).unsafe_address_space_cast[AddressSpace.GLOBAL](),
-            dst.unsafe_offset(tid),
+            dst.unsafe_offset(tid * dst_stride),
         )
 
 
@@ -222,8 +280,8 @@ def copy_state_tile_async[
     comptime assert THREADS % PER_ROW == 0, "a pass of the block copies whole tile rows"
     comptime ROWS_PER_PASS = THREADS // PER_ROW
     # Per thread one source row and column; each pass is a constant offset from it.
-    var r = tid // PER_ROW
-    var c = (tid % PER_ROW) * PER_COPY
+    var r = quotient[PER_ROW](tid)
+    var c = remainder[PER_ROW](tid) * PER_COPY
     var source = state.unsafe_offset(base + r * V + c)
     var target = dst.unsafe_offset(r * PITCH + c)
     comptime for s in range(ceildiv(K, ROWS_PER_PASS)):
@@ -274,8 +332,7 @@ def copy_tokens_async[
     queries: SharedFloats,
     keys: SharedFloats,
     values: SharedFloats,
-    decays: SharedFloats,
-    betas: SharedFloats,
+    scalars: SharedFloats,
     qkv: Pointer[Float32, ImmutAnyOrigin],
     decay: Pointer[Float32, ImmutAnyOrigin],
     beta: Pointer[Float32, ImmutAnyOrigin],
@@ -289,7 +346,7 @@ def copy_tokens_async[
     tid: Int,
 ):
     """Starts copying `count` tokens from `first_token`: q and k of the key head, this
-    tile's value columns, and this head's decay and beta."""
+    tile's value columns, and this head's decay and beta into the token's scalars."""
     var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var token = first_token * qkv_width
     copy_floats_async[K, WINDOW_CHUNK, THREADS](
@@ -303,8 +360,12 @@ def copy_tokens_async[
         qkv_width, count, tid,
     )
     var at = first_token * num_value_heads + value_head
-    copy_scalars_async(decays, decay, at, num_value_heads, count, tid)
-    copy_scalars_async(betas, beta, at, num_value_heads, count, tid)
+    copy_scalars_async(
+        scalars.unsafe_offset(DECAY_AT), decay, at, num_value_heads, count, tid, TOKEN_SCALARS
+    )
+    copy_scalars_async(
+        scalars.unsafe_offset(BETA_AT), beta, at, num_value_heads, count, tid, TOKEN_SCALARS
+    )
 
 
 @always_inline
@@ -329,7 +390,7 @@ def normalise_tokens[
     count: Int,
     queries_hat: SharedFloats,
     keys_by_lane: SharedFloats,
-    inverse_key_norms: SharedFloats,
+    scalars: SharedFloats,
     tid: Int,
 ):
     """Norms of the staged tokens' q and k, once per block.
@@ -337,8 +398,9 @@ def normalise_tokens[
     Eight threads share one vector: thread `lane` sums the squares of elements
     `lane, lane + 8, ...` in the fixed lane order, then the group adds its lanes. It
     writes q / |q| / sqrt(K) and the raw k in lane-major order (the values a compute
-    thread of that lane needs, side by side, for 16-byte loads) and 1 / |k|.
-    Every thread runs the shuffles; only tokens below `count` are written.
+    thread of that lane needs, side by side, for 16-byte loads) and 1 / |k| into the
+    token's scalars. Warps holding no unit skip the work; every thread of a warp that
+    holds one runs the shuffles, and only tokens below `count` are written.
     """
     comptime ROWS = K // REDUCTION_LANES
     comptime PITCH = permuted_pitch[K]()
@@ -346,27 +408,31 @@ def normalise_tokens[
     comptime scale = query_scale[K]()
     comptime for s in range(ceildiv(UNITS, THREADS)):
         var unit = tid + s * THREADS
-        var lane = unit % REDUCTION_LANES
-        var is_key = (unit // REDUCTION_LANES) % 2 == 1
-        var token = min(unit // (2 * REDUCTION_LANES), WINDOW_CHUNK - 1)
-        var source = keys if is_key else queries
-        var squares = Float32(0.0)
-        comptime for m in range(ROWS):
-            var x = source[unsafe_offset=token * K + m * REDUCTION_LANES + lane]
-            squares = fma(x, x, squares)
-        var inverse = Float32(1.0) / rounded_sqrt(lane_sum[1](squares)[0] + L2_EPS)
-        if unit < UNITS and unit // (2 * REDUCTION_LANES) < count:
-            var at = (token * REDUCTION_LANES + lane) * PITCH
-            if is_key:
-                comptime for m in range(ROWS):
-                    keys_by_lane[unsafe_offset=at + m] = source[
-                        unsafe_offset=token * K + m * REDUCTION_LANES + lane
-                    ]
-                if lane == 0:
-                    inverse_key_norms[unsafe_offset=token] = inverse
-            else:
-                var q_scale = inverse * scale
-                comptime for m in range(ROWS):
-                    queries_hat[unsafe_offset=at + m] = (
-                        source[unsafe_offset=token * K + m * REDUCTION_LANES + lane] * q_scale
-                    )
+        if unit - unit % WARP_THREADS < UNITS:  # the same for the whole warp
+            var lane = unit % REDUCTION_LANES
+            var is_key = (unit // REDUCTION_LANES) % 2 == 1
+            var token = min(unit // (2 * REDUCTION_LANES), WINDOW_CHUNK - 1)
+            var source = keys if is_key else queries
+            var squares = Float32(0.0)
+            comptime for m in range(ROWS):
+                var x = source[unsafe_offset=token * K + m * REDUCTION_LANES + lane]
+                squares = fma(x, x, squares)
+            var inverse = Float32(1.0) / rounded_sqrt(lane_sum[1](squares)[0] + L2_EPS)
+            if unit < UNITS and unit // (2 * REDUCTION_LANES) < count:
+                var at = (token * REDUCTION_LANES + lane) * PITCH
+                if is_key:
+                    comptime for m in range(ROWS):
+                        keys_by_lane[unsafe_offset=at + m] = source[
+                            unsafe_offset=token * K + m * REDUCTION_LANES + lane
+                        ]
+                    if lane == 0:
+                        scalars[
+                            unsafe_offset=token * TOKEN_SCALARS + INVERSE_KEY_NORM_AT
+                        ] = inverse
+                else:
+                    var q_scale = inverse * scale
+                    comptime for m in range(ROWS):
+                        queries_hat[unsafe_offset=at + m] = (
+                            source[unsafe_offset=token * K + m * REDUCTION_LANES + lane]
+                            * q_scale
+                        )

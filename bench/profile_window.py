@@ -1,8 +1,10 @@
 """Runs one layer's fused verify (fold on load) at Qwen3-Next shapes, three times, so a
 profiler can attach to it:
 
-    ncu --launch-skip 2 --launch-count 1 --section LaunchStats --section Occupancy \\
+    ncu --launch-skip 2 --launch-count 1 --set full \\
         python bench/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH
+
+REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def main() -> None:
     shape = FoldShape(num_layers=1)
     device = Accelerator()
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
-                        {"column_tile": tile, "requests_per_block": requests})
+                        {"column_tile": tile, "requests_per_block": requests or None})
     graphs.compile_all(["fused"], [DType.float32])
     operands = make_step_operands(device, shape, batch, DType.float32)
     model = graphs.model("fused", DType.float32, 1)

@@ -3,9 +3,10 @@
 Every reduction over the key dimension K runs on REDUCTION_LANES lanes: lane `p`
 accumulates the terms `i = p, p + 8, p + 16, ...` as a chain of fused multiply-adds
 in increasing `i`, starting from +0. The eight lane sums are then added pairwise:
-`(p, p + 4)`, then `(p, p + 2)`, then `(p, p + 1)`. The GPU path maps the lanes to
-eight neighbouring threads and adds them with butterfly shuffles; the CPU path keeps
-eight accumulators. Both produce the same bits, and so does the numpy reference.
+`(p, p + 4)`, then `(p, p + 2)`, then `(p, p + 1)`. The GPU verify gives each of four
+neighbouring threads lanes j and j + 4, adds those two inside the thread and the rest
+with butterfly shuffles (the norms use eight threads, one lane each); the CPU path keeps
+eight accumulators. All produce the same bits, and so does the numpy reference.
 
 The compiler contracts `a * b + c` into an fma on the GPU, so every multiply-add in
 these kernels is written as an explicit `fma`, and nothing else may be contracted.

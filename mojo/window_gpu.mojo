@@ -82,6 +82,14 @@ def column_sum(lanes: Pair) -> Float32:
     return quads + shuffle_xor(quads, UInt32(1))  # (p, p + 1)
 
 
+@always_inline
+def lanes_at[
+    VECTORS: Int
+](lanes: Array[SIMD[DType.float32, 4], LANE_PAIR * VECTORS], m: Int) -> Pair:
+    """Element m of a thread's two lanes, each held as VECTORS 16-byte vectors."""
+    return Pair(lanes[m // 4][m % 4], lanes[VECTORS + m // 4][m % 4])
+
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -369,38 +377,38 @@ def windows_gpu_kernel[
                 var q_lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](
                     uninitialized=True
                 )
+                # Where lane pair + 4 * h of token c starts in the lane-major copies.
+                @always_inline
+                def lane_at(h: Int) {imm} -> Int:
+                    return (c * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
+
                 comptime for h in range(LANE_PAIR):
-                    var lane_at = (c * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
                     comptime for j in range(LANE_VECTORS):
                         k_lanes[h * LANE_VECTORS + j] = keys_by_lane.unsafe_load[
                             width=4, alignment=16
-                        ](lane_at + 4 * j)
+                        ](lane_at(h) + 4 * j)
 
                 var previous_o = column_sum(pending_out)
                 # kv = S^T k on the decayed state.
                 var partial = Pair(0.0)
                 comptime for m in range(ROWS):
                     held[m] = held[m] * d
-                    var k = Pair(k_lanes[m // 4][m % 4], k_lanes[LANE_VECTORS + m // 4][m % 4])
-                    partial = fma(held[m], k, partial)
+                    partial = fma(held[m], lanes_at[LANE_VECTORS](k_lanes, m), partial)
                 var kv = column_sum(partial)
                 var v = values[unsafe_offset=c * COLUMN_TILE + tile_column]
                 # q only now: fewer registers are live during the sum above.
                 comptime for h in range(LANE_PAIR):
-                    var lane_at = (c * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
                     comptime for j in range(LANE_VECTORS):
                         q_lanes[h * LANE_VECTORS + j] = queries_hat.unsafe_load[
                             width=4, alignment=16
-                        ](lane_at + 4 * j)
+                        ](lane_at(h) + 4 * j)
                 var error = fma(-kv, inv_k, v)
                 var u = (b * error) * inv_k
                 # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
                 var out = Pair(0.0)
                 comptime for m in range(ROWS):
-                    var k = Pair(k_lanes[m // 4][m % 4], k_lanes[LANE_VECTORS + m // 4][m % 4])
-                    var q = Pair(q_lanes[m // 4][m % 4], q_lanes[LANE_VECTORS + m // 4][m % 4])
-                    held[m] = fma(k, Pair(u), held[m])
-                    out = fma(held[m], q, out)
+                    held[m] = fma(lanes_at[LANE_VECTORS](k_lanes, m), Pair(u), held[m])
+                    out = fma(held[m], lanes_at[LANE_VECTORS](q_lanes, m), out)
                 pending_out = out
                 var t = chunk_start + c
                 if c > 0:

@@ -193,7 +193,7 @@ def windows_gpu_kernel[
     # The ids of requests first + j * PLAN_SLOTS + i sit in slot i, a table at a time.
     @always_inline
     def load_plans(from_request: Int) {imm}:
-        load_plan_ids[RECORD, FOLD_PREVIOUS](
+        load_plan_ids[RECORD, FOLD_PREVIOUS, THREADS](
             plan_ids, from_request, last, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted, tid,
         )

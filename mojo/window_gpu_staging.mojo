@@ -123,7 +123,7 @@ struct RequestPlan(ImplicitlyCopyable):
 
 @always_inline
 def load_plan_ids[
-    RECORD: Bool, FOLD_PREVIOUS: Bool
+    RECORD: Bool, FOLD_PREVIOUS: Bool, THREADS: Int
 ](
     table: SharedUInts,
     first: Int,
@@ -135,23 +135,34 @@ def load_plan_ids[
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
     tid: Int,
 ):
-    """Thread `tid` stores the ids of request `first + tid` (if below `last` and within
-    PLAN_SLOTS) in slot `tid` of the table; field f of slot i sits at
-    `f * PLAN_SLOTS + i`. Needs a barrier before the table is read."""
-    var request = first + tid
-    if tid < PLAN_SLOTS and request < last:
-        table[unsafe_offset=tid] = offsets[unsafe_offset=request]
-        table[unsafe_offset=PLAN_SLOTS + tid] = offsets[unsafe_offset=request + 1]
-        table[unsafe_offset=2 * PLAN_SLOTS + tid] = row_ids[unsafe_offset=request]
-        comptime if RECORD:
-            table[unsafe_offset=3 * PLAN_SLOTS + tid] = ring_row_ids[unsafe_offset=request]
-        comptime if FOLD_PREVIOUS:
-            table[unsafe_offset=4 * PLAN_SLOTS + tid] = previous_ring_row_ids[
-                unsafe_offset=request
-            ]
-            table[unsafe_offset=5 * PLAN_SLOTS + tid] = previous_accepted[
-                unsafe_offset=request
-            ]
+    """Stores the ids of requests `first + i`, i < PLAN_SLOTS and below `last`, in slot
+    i of the table (thread `tid` fills slots tid, tid + THREADS, ...); field f of slot
+    i sits at `f * PLAN_SLOTS + i`. Needs a barrier before the table is read."""
+
+    @always_inline
+    def load_slot(slot: Int, in_table: Bool) {imm}:
+        var request = first + slot
+        if in_table and request < last:
+            table[unsafe_offset=slot] = offsets[unsafe_offset=request]
+            table[unsafe_offset=PLAN_SLOTS + slot] = offsets[unsafe_offset=request + 1]
+            table[unsafe_offset=2 * PLAN_SLOTS + slot] = row_ids[unsafe_offset=request]
+            comptime if RECORD:
+                table[unsafe_offset=3 * PLAN_SLOTS + slot] = ring_row_ids[
+                    unsafe_offset=request
+                ]
+            comptime if FOLD_PREVIOUS:
+                table[unsafe_offset=4 * PLAN_SLOTS + slot] = previous_ring_row_ids[
+                    unsafe_offset=request
+                ]
+                table[unsafe_offset=5 * PLAN_SLOTS + slot] = previous_accepted[
+                    unsafe_offset=request
+                ]
+
+    comptime if THREADS >= PLAN_SLOTS:
+        load_slot(tid, tid < PLAN_SLOTS)
+    else:  # blocks of fewer threads than slots (column tiles below 8)
+        for slot in range(tid, PLAN_SLOTS, THREADS):
+            load_slot(slot, True)
 
 
 @always_inline

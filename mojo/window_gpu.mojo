@@ -42,12 +42,15 @@ from .window_gpu_staging import (
     INVERSE_KEY_NORM_AT,
     PLAN_FIELDS,
     PLAN_SLOTS,
+    SharedFloats,
     TOKEN_SCALARS,
     load_plan_ids,
     WINDOW_CHUNK,
     copy_records_async,
     copy_state_tile_async,
     copy_tokens_async,
+    lane_major_at,
+    lane_major_floats,
     normalise_tokens,
     quotient,
     remainder,
@@ -137,6 +140,7 @@ def windows_gpu_kernel[
     comptime CHUNK = WINDOW_CHUNK
     comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
     comptime LANE_PITCH = permuted_pitch[K]()
+    comptime LANE_MAJOR = lane_major_floats[K]()
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
     comptime assert (
         window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
@@ -168,18 +172,18 @@ def windows_gpu_kernel[
     var state_tile = stack_allocation[
         K * PITCH, state_dtype, alignment=16, address_space=AddressSpace.SHARED
     ]()
-    comptime RECORD_KEYS = CHUNK * K if FOLD_PREVIOUS else 0
+    comptime RECORD_KEYS = CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0
     comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
     comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
     var record_keys = shared_floats[2 * RECORD_KEYS + 4]()
     var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
     var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
-    var token_queries = shared_floats[2 * CHUNK * K]()
-    var token_keys = shared_floats[2 * CHUNK * K]()
+    # q and k arrive lane-major (window_gpu_staging.copy_lane_major_async); the norms
+    # turn q into q / |q| / sqrt(K) in place.
+    var token_queries = shared_floats[2 * CHUNK * LANE_MAJOR]()
+    var token_keys = shared_floats[2 * CHUNK * LANE_MAJOR]()
     var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
     var token_scalars = shared_floats[2 * CHUNK * TOKEN_SCALARS]()
-    var queries_hat = shared_floats[CHUNK * REDUCTION_LANES * LANE_PITCH]()
-    var keys_by_lane = shared_floats[CHUNK * REDUCTION_LANES * LANE_PITCH]()
     var plan_ids = stack_allocation[
         PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
     ]()
@@ -229,8 +233,8 @@ def windows_gpu_kernel[
                         tile_start, tid,
                     )
             copy_tokens_async[K, V, COLUMN_TILE, THREADS](
-                token_queries.unsafe_offset(buffer * CHUNK * K),
-                token_keys.unsafe_offset(buffer * CHUNK * K),
+                token_queries.unsafe_offset(buffer * CHUNK * LANE_MAJOR),
+                token_keys.unsafe_offset(buffer * CHUNK * LANE_MAJOR),
                 token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
                 token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS),
                 qkv, decay, beta, plan.start, min(CHUNK, plan.end - plan.start),
@@ -238,14 +242,35 @@ def windows_gpu_kernel[
             )
         async_copy_commit_group()
 
+    # The thread's two lanes of vector `row` of a lane-major buffer, as 16-byte loads.
+    @always_inline
+    def load_lanes(buffer: SharedFloats, row: Int) {imm} -> Array[
+        SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS
+    ]:
+        var lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](uninitialized=True)
+        comptime for h in range(LANE_PAIR):
+            var at = (row * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
+            comptime for j in range(LANE_VECTORS):
+                lanes[h * LANE_VECTORS + j] = buffer.unsafe_load[width=4, alignment=16](at + 4 * j)
+        return lanes^
+
+    # Writes vector `row` of the lane-major `keys` to the ring in its natural order.
+    @always_inline
+    def store_raw_key(at: Int, keys: SharedFloats, row: Int) {imm}:
+        for vector in range(tid, K // 4, THREADS):
+            var four = SIMD[DType.float32, 4]()
+            comptime for e in range(4):
+                four[e] = keys[unsafe_offset=row * LANE_MAJOR + lane_major_at[K](vector * 4 + e)]
+            ring.unsafe_store[alignment=16](at + vector * 4, four)
+
     load_plans(first)
     barrier()
     start_copies(plan_of(first), 0)
     for request in range(first, last):
         var buffer = (request - first) % 2
         var plan = plan_of(request)
-        var queries = token_queries.unsafe_offset(buffer * CHUNK * K)
-        var keys = token_keys.unsafe_offset(buffer * CHUNK * K)
+        var queries = token_queries.unsafe_offset(buffer * CHUNK * LANE_MAJOR)
+        var keys = token_keys.unsafe_offset(buffer * CHUNK * LANE_MAJOR)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
         var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)
         var first_count = min(CHUNK, plan.end - plan.start)
@@ -258,9 +283,7 @@ def windows_gpu_kernel[
         var held = Array[Pair, ROWS](fill=0.0)
         if plan.runs:
             if first_count > 0:
-                normalise_tokens[K, THREADS](
-                    queries, keys, first_count, queries_hat, keys_by_lane, scalars, tid
-                )
+                normalise_tokens[K, THREADS](queries, keys, first_count, scalars, tid)
             comptime for m in range(ROWS):
                 comptime for h in range(LANE_PAIR):
                     held[m][h] = state_tile[
@@ -328,12 +351,9 @@ def windows_gpu_kernel[
                     for t in range(count):
                         var d = rdecays[unsafe_offset=t]
                         var u = Pair(rdeltas[unsafe_offset=t * COLUMN_TILE + tile_column])
+                        var k_lanes = load_lanes(rkeys, t)
                         comptime for m in range(ROWS):
-                            var at = t * K + m * REDUCTION_LANES + pair
-                            var k = Pair(
-                                rkeys[unsafe_offset=at], rkeys[unsafe_offset=at + COLUMN_THREADS]
-                            )
-                            held[m] = fma(k, u, held[m] * d)
+                            held[m] = fma(lanes_at[LANE_VECTORS](k_lanes, m), u, held[m] * d)
                 # What a separate fold leaves in the pool, and what a verify reads back.
                 var stored = Array[SIMD[state_dtype, LANE_PAIR], ROWS](uninitialized=True)
                 comptime for m in range(ROWS):
@@ -356,9 +376,7 @@ def windows_gpu_kernel[
                 async_copy_commit_group()
                 async_copy_wait_all()
                 barrier()
-                normalise_tokens[K, THREADS](
-                    queries, keys, count, queries_hat, keys_by_lane, scalars, tid
-                )
+                normalise_tokens[K, THREADS](queries, keys, count, scalars, tid)
                 barrier()
             # The readout sums of token c are finished while token c + 1 computes: their
             # shuffles then overlap its arithmetic instead of stalling the warp.
@@ -370,24 +388,7 @@ def windows_gpu_kernel[
                 var d = token_scalars_c[DECAY_AT]
                 var b = token_scalars_c[BETA_AT]
                 var inv_k = token_scalars_c[INVERSE_KEY_NORM_AT]
-                # The thread's two lanes' k and q, as 16-byte loads of the lane-major copies.
-                var k_lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](
-                    uninitialized=True
-                )
-                var q_lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](
-                    uninitialized=True
-                )
-                # Where lane pair + 4 * h of token c starts in the lane-major copies.
-                @always_inline
-                def lane_at(h: Int) {imm} -> Int:
-                    return (c * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
-
-                comptime for h in range(LANE_PAIR):
-                    comptime for j in range(LANE_VECTORS):
-                        k_lanes[h * LANE_VECTORS + j] = keys_by_lane.unsafe_load[
-                            width=4, alignment=16
-                        ](lane_at(h) + 4 * j)
-
+                var k_lanes = load_lanes(keys, c)
                 var previous_o = column_sum(pending_out)
                 # kv = S^T k on the decayed state.
                 var partial = Pair(0.0)
@@ -397,11 +398,7 @@ def windows_gpu_kernel[
                 var kv = column_sum(partial)
                 var v = values[unsafe_offset=c * COLUMN_TILE + tile_column]
                 # q only now: fewer registers are live during the sum above.
-                comptime for h in range(LANE_PAIR):
-                    comptime for j in range(LANE_VECTORS):
-                        q_lanes[h * LANE_VECTORS + j] = queries_hat.unsafe_load[
-                            width=4, alignment=16
-                        ](lane_at(h) + 4 * j)
+                var q_lanes = load_lanes(queries, c)
                 var error = fma(-kv, inv_k, v)
                 var u = (b * error) * inv_k
                 # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
@@ -422,11 +419,7 @@ def windows_gpu_kernel[
                             if tid == 0:
                                 ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
                             if group_slot == 0:
-                                for vector in range(tid, K // 4, THREADS):
-                                    ring.unsafe_store[alignment=16](
-                                        record + key_offset() + vector * 4,
-                                        keys.unsafe_load[width=4, alignment=16](c * K + vector * 4),
-                                    )
+                                store_raw_key(record + key_offset(), keys, c)
             if count > 0:
                 store_readout(chunk_start + count - 1, column_sum(pending_out))
 

@@ -58,7 +58,7 @@ def state_tile_pitch[state_dtype: DType, COLUMN_TILE: Int]() -> Int:
 
 
 def permuted_pitch[K: Int]() -> Int:
-    """Floats per lane in the permuted q/k layout: the lane's K/8 values rounded up to
+    """Floats per lane in the lane-major q/k layout: the lane's K/8 values rounded up to
     whole 16-byte vectors, and an odd number of vectors so that eight lanes' vector
     loads fall on different banks."""
     var vectors = ceildiv(K // REDUCTION_LANES, COPY_FLOATS)
@@ -67,15 +67,28 @@ def permuted_pitch[K: Int]() -> Int:
     return vectors * COPY_FLOATS
 
 
+def lane_major_floats[K: Int]() -> Int:
+    """Floats of one K-vector in the lane-major layout (see copy_lane_major_async)."""
+    return REDUCTION_LANES * permuted_pitch[K]()
+
+
+@always_inline
+def lane_major_at[K: Int](i: Int) -> Int:
+    """Where element i of a K-vector sits in the lane-major layout: with the other
+    elements of reduction lane i % 8, in the order the lane sums them."""
+    return remainder[REDUCTION_LANES](i) * permuted_pitch[K]() + quotient[REDUCTION_LANES](i)
+
+
 def window_shared_bytes[
     state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
 ]() -> Int:
     """Static shared memory of one block of the window kernel."""
+    comptime LANE_MAJOR = lane_major_floats[K]()
     var floats = 3 * 4  # the record buffers' minimum size, when nothing is folded
     if FOLD_PREVIOUS:
-        floats += 2 * WINDOW_CHUNK * (K + COLUMN_TILE + 1)  # two buffers of records
-    floats += 2 * WINDOW_CHUNK * (2 * K + COLUMN_TILE + TOKEN_SCALARS)  # two buffers of tokens
-    floats += WINDOW_CHUNK * 2 * REDUCTION_LANES * permuted_pitch[K]()  # normalised q, k
+        floats += 2 * WINDOW_CHUNK * (LANE_MAJOR + COLUMN_TILE + 1)  # two buffers of records
+    # Two buffers of tokens: q and k lane-major, the tile's values, the scalars.
+    floats += 2 * WINDOW_CHUNK * (2 * LANE_MAJOR + COLUMN_TILE + TOKEN_SCALARS)
     floats += PLAN_FIELDS * PLAN_SLOTS  # the requests' ids
     var tile = K * state_tile_pitch[state_dtype, COLUMN_TILE]() * size_of[state_dtype]()
     return tile + 4 * floats
@@ -252,6 +265,50 @@ def copy_floats_async[
 
 
 @always_inline
+def copy_lane_major_async[
+    K: Int, MAX_ROWS: Int, THREADS: Int
+](
+    dst: SharedFloats,
+    src: Pointer[Float32, ImmutAnyOrigin],
+    base: Int,
+    stride: Int,
+    rows: Int,
+    tid: Int,
+):
+    """Starts copying rows `t < rows` of K floats at `base + t * stride` to rows of
+    `lane_major_floats[K]()` in `dst`, each in the lane-major layout: a thread of
+    reduction lane p then loads its elements p, p + 8, ... with 16-byte loads. Four
+    bytes per copy; a warp reads 32 neighbouring floats and writes 32 banks."""
+    comptime ROW = lane_major_floats[K]()
+    comptime if THREADS % K == 0:
+        # Whole rows per pass: each thread keeps one element index for every pass.
+        comptime ROWS_PER_PASS = THREADS // K
+        var t = quotient[K](tid)
+        var i = remainder[K](tid)
+        var source = src.unsafe_offset(base + t * stride + i)
+        var target = dst.unsafe_offset(t * ROW + lane_major_at[K](i))
+        comptime for s in range(ceildiv(MAX_ROWS, ROWS_PER_PASS)):
+            if t + s * ROWS_PER_PASS < rows:
+                async_copy[4](
+                    source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
+                    target.unsafe_offset(s * ROWS_PER_PASS * ROW),
+                )
+            source = source.unsafe_offset(ROWS_PER_PASS * stride)
+    else:
+        comptime for s in range(ceildiv(MAX_ROWS * K, THREADS)):
+            var v = tid + s * THREADS
+            var t = quotient[K](v)
+            var i = remainder[K](v)
+            if t < rows:
+                async_copy[4](
+                    src.unsafe_offset(base + t * stride + i).unsafe_address_space_cast[
+                        AddressSpace.GLOBAL
+                    ](),
+                    dst.unsafe_offset(t * ROW + lane_major_at[K](i)),
+                )
+
+
+@always_inline
 def copy_scalars_async(
     dst: SharedFloats,
     src: Pointer[Float32, ImmutAnyOrigin],
@@ -321,9 +378,9 @@ def copy_records_async[
     column: Int,
     tid: Int,
 ):
-    """Starts copying `count` records from `first_record`: the raw keys, this tile's
-    delta columns and this head's decays."""
-    copy_floats_async[K, WINDOW_CHUNK, THREADS](
+    """Starts copying `count` records from `first_record`: the raw keys (lane-major),
+    this tile's delta columns and this head's decays."""
+    copy_lane_major_async[K, WINDOW_CHUNK, THREADS](
         keys, ring, first_record + key_offset(), record_stride, count, tid
     )
     copy_floats_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
@@ -356,14 +413,15 @@ def copy_tokens_async[
     column: Int,
     tid: Int,
 ):
-    """Starts copying `count` tokens from `first_token`: q and k of the key head, this
-    tile's value columns, and this head's decay and beta into the token's scalars."""
+    """Starts copying `count` tokens from `first_token`: q and k of the key head
+    (lane-major), this tile's value columns, and this head's decay and beta into the
+    token's scalars."""
     var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var token = first_token * qkv_width
-    copy_floats_async[K, WINDOW_CHUNK, THREADS](
+    copy_lane_major_async[K, WINDOW_CHUNK, THREADS](
         queries, qkv, token + key_head * K, qkv_width, count, tid
     )
-    copy_floats_async[K, WINDOW_CHUNK, THREADS](
+    copy_lane_major_async[K, WINDOW_CHUNK, THREADS](
         keys, qkv, token + (num_key_heads + key_head) * K, qkv_width, count, tid
     )
     copy_floats_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
@@ -399,51 +457,44 @@ def normalise_tokens[
     queries: SharedFloats,
     keys: SharedFloats,
     count: Int,
-    queries_hat: SharedFloats,
-    keys_by_lane: SharedFloats,
     scalars: SharedFloats,
     tid: Int,
 ):
-    """Norms of the staged tokens' q and k, once per block.
+    """Norms of the staged tokens' q and k (both lane-major), once per block.
 
-    Eight threads share one vector: thread `lane` sums the squares of elements
-    `lane, lane + 8, ...` in the fixed lane order, then the group adds its lanes. It
-    writes q / |q| / sqrt(K) and the raw k in lane-major order (the values a compute
-    thread of that lane needs, side by side, for 16-byte loads) and 1 / |k| into the
-    token's scalars. Warps holding no unit skip the work; every thread of a warp that
-    holds one runs the shuffles, and only tokens below `count` are written.
+    Eight threads share one vector: thread `lane` sums the squares of its lane's
+    elements `lane, lane + 8, ...` in the fixed order, then the group adds its lanes.
+    q is scaled in place to q / |q| / sqrt(K); 1 / |k| goes into the token's scalars.
+    Warps holding no unit skip the work; every thread of a warp that holds one runs
+    the shuffles, and only tokens below `count` are written.
     """
     comptime ROWS = K // REDUCTION_LANES
-    comptime PITCH = permuted_pitch[K]()
+    comptime VECTORS = ceildiv(ROWS, COPY_FLOATS)
     comptime UNITS = WINDOW_CHUNK * 2 * REDUCTION_LANES
     comptime scale = query_scale[K]()
     comptime for s in range(ceildiv(UNITS, THREADS)):
         var unit = tid + s * THREADS
         if unit - unit % WARP_THREADS < UNITS:  # the same for the whole warp
-            var lane = unit % REDUCTION_LANES
-            var is_key = (unit // REDUCTION_LANES) % 2 == 1
-            var token = min(unit // (2 * REDUCTION_LANES), WINDOW_CHUNK - 1)
+            var lane = remainder[REDUCTION_LANES](unit)
+            var is_key = remainder[2](quotient[REDUCTION_LANES](unit)) == 1
+            var token = min(quotient[2 * REDUCTION_LANES](unit), WINDOW_CHUNK - 1)
             var source = keys if is_key else queries
+            var at = (token * REDUCTION_LANES + lane) * permuted_pitch[K]()
+            var x = Array[SIMD[DType.float32, COPY_FLOATS], VECTORS](uninitialized=True)
+            comptime for j in range(VECTORS):
+                x[j] = source.unsafe_load[width=COPY_FLOATS, alignment=16](at + j * COPY_FLOATS)
             var squares = Float32(0.0)
             comptime for m in range(ROWS):
-                var x = source[unsafe_offset=token * K + m * REDUCTION_LANES + lane]
-                squares = fma(x, x, squares)
+                var value = x[m // COPY_FLOATS][m % COPY_FLOATS]
+                squares = fma(value, value, squares)
             var inverse = Float32(1.0) / rounded_sqrt(lane_sum[1](squares)[0] + L2_EPS)
-            if unit < UNITS and unit // (2 * REDUCTION_LANES) < count:
-                var at = (token * REDUCTION_LANES + lane) * PITCH
+            if unit < UNITS and quotient[2 * REDUCTION_LANES](unit) < count:
                 if is_key:
-                    comptime for m in range(ROWS):
-                        keys_by_lane[unsafe_offset=at + m] = source[
-                            unsafe_offset=token * K + m * REDUCTION_LANES + lane
-                        ]
                     if lane == 0:
                         scalars[
                             unsafe_offset=token * TOKEN_SCALARS + INVERSE_KEY_NORM_AT
                         ] = inverse
                 else:
                     var q_scale = inverse * scale
-                    comptime for m in range(ROWS):
-                        queries_hat[unsafe_offset=at + m] = (
-                            source[unsafe_offset=token * K + m * REDUCTION_LANES + lane]
-                            * q_scale
-                        )
+                    comptime for j in range(VECTORS):
+                        source.unsafe_store[alignment=16](at + j * COPY_FLOATS, x[j] * q_scale)

@@ -299,13 +299,16 @@ def windows_gpu_kernel[
         if next < last:
             start_copies(plan_of(next), 1 - buffer)
 
+        # One thread of each column writes its readout.
+        @always_inline
+        def store_readout(token: Int, o: Float32) {imm}:
+            if pair == 0:
+                readout[unsafe_offset=token * readout_width + value_head * V + column] = o
+
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
-            if pair == 0:
-                for t in range(plan.start, plan.end):
-                    readout[unsafe_offset=t * readout_width + value_head * V + column] = nan[
-                        DType.float32
-                    ]()
+            for t in range(plan.start, plan.end):
+                store_readout(t, nan[DType.float32]())
         if not plan.runs:
             continue
         # This thread's first state row; the others are constant offsets from it.
@@ -313,11 +316,6 @@ def windows_gpu_kernel[
             plan.row * row_elements + value_head * K * V + pair * V + column
         )
         var changed = plan.end > plan.start
-
-        @always_inline
-        def store_readout(token: Int, o: Float32) {imm}:
-            if pair == 0:
-                readout[unsafe_offset=token * readout_width + value_head * V + column] = o
 
         # Writes the held state as the pool's dtype.
         @always_inline

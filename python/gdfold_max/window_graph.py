@@ -54,9 +54,9 @@ def _check_column_tile(value_dim: int, key_dim: int, column_tile: int | None) ->
 def gpu_tiling(value_dim: int, key_dim: int, column_tile: int | None,
                requests_per_block: int | None) -> dict[str, int]:
     """The window ops' GPU parameters, checked (the CPU path ignores them)."""
+    if requests_per_block is not None and requests_per_block < 1:
+        raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
-    if requests_per_block is not None and requests < 1:
-        raise ValueError(f"requests_per_block: {requests} must be at least 1")
     return {"COLUMN_TILE": _check_column_tile(value_dim, key_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
 
 

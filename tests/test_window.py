@@ -155,3 +155,30 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
     others = [int(case.row_ids[0]), int(case.row_ids[2])]
     assert_bits_equal(state[others], want[1][others], "pool rows of the other requests")
     assert_bits_equal(state[int(case.row_ids[1])], case.state[int(case.row_ids[1])], "the skipped request's row")
+
+
+# (state dtype, column_tile, requests_per_block, number of requests). The small cases
+# above give each block one request; these make blocks run several in turn, so that one
+# request's copies and fold overlap another's tokens, and one crosses the 32-request
+# groups in which a block reads its requests' ids.
+GPU_TILINGS = [
+    ("float32", None, 2, 7),
+    ("float32", None, 3, 7),
+    ("bfloat16", None, 3, 7),
+    ("float32", 4, 2, 7),
+    ("float32", None, 70, 70),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "column_tile", "requests_per_block", "batch"), GPU_TILINGS)
+def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, requests_per_block: int,
+                                     batch: int) -> None:
+    runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=requests_per_block)
+    pattern = [4, 0, 1, 6, 2, 3, 4]  # full, empty, short, past RING_LEN (commits), ...
+    windows = [pattern[b % len(pattern)] for b in range(batch)]
+    case = random_window_case(7, windows=windows, state_dtype=state_dtype, key_dim=128, value_dim=128)
+    for fold_on_load in (True, False):
+        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
+        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
+        assert_same_step(got, want, f"fold_on_load={fold_on_load}")

@@ -93,6 +93,17 @@ def lanes_at[
     return Pair(lanes[m // 4][m % 4], lanes[VECTORS + m // 4][m % 4])
 
 
+@always_inline
+def rounded_to[
+    ROWS: Int, //, dtype: DType
+](held: Array[Pair, ROWS]) -> Array[SIMD[dtype, LANE_PAIR], ROWS]:
+    """The held state in the pool's dtype, as the pool stores it."""
+    var rounded = Array[SIMD[dtype, LANE_PAIR], ROWS](uninitialized=True)
+    comptime for m in range(ROWS):
+        rounded[m] = held[m].cast[dtype]()
+    return rounded^
+
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -353,9 +364,8 @@ def windows_gpu_kernel[
                         comptime for m in range(ROWS):
                             held[m] = fma(lanes_at[LANE_VECTORS](k_lanes, m), u, held[m] * d)
                 # What a separate fold leaves in the pool, and what a verify reads back.
-                var stored = Array[SIMD[state_dtype, LANE_PAIR], ROWS](uninitialized=True)
+                var stored = rounded_to[state_dtype](held)
                 comptime for m in range(ROWS):
-                    stored[m] = held[m].cast[state_dtype]()
                     held[m] = stored[m].cast[DType.float32]()
                 if not plan.commit:
                     store_state(stored)
@@ -423,7 +433,4 @@ def windows_gpu_kernel[
 
         # 5. A forward, or a window too long for the ring, commits the state.
         if plan.commit and changed:
-            var final = Array[SIMD[state_dtype, LANE_PAIR], ROWS](uninitialized=True)
-            comptime for m in range(ROWS):
-                final[m] = held[m].cast[state_dtype]()
-            store_state(final)
+            store_state(rounded_to[state_dtype](held))

@@ -438,15 +438,14 @@ def copy_tokens_async[
 
 
 @always_inline
-def lane_sum[width: Int](value: SIMD[DType.float32, width]) -> SIMD[DType.float32, width]:
+def lane_sum(value: Float32) -> Float32:
     """Adds the value over the 8 lanes of a group: (p, p^4), then (p, p^2), then (p, p^1).
 
     IEEE addition commutes, so every lane of the group ends with the same bits.
     """
     var total = value
     comptime for offset in [4, 2, 1]:
-        comptime for e in range(width):
-            total[e] = total[e] + shuffle_xor(total[e], UInt32(offset))
+        total += shuffle_xor(total, UInt32(offset))
     return total
 
 
@@ -487,7 +486,7 @@ def normalise_tokens[
             comptime for m in range(ROWS):
                 var value = x[m // COPY_FLOATS][m % COPY_FLOATS]
                 squares = fma(value, value, squares)
-            var inverse = Float32(1.0) / rounded_sqrt(lane_sum[1](squares)[0] + L2_EPS)
+            var inverse = Float32(1.0) / rounded_sqrt(lane_sum(squares) + L2_EPS)
             if unit < UNITS and quotient[2 * REDUCTION_LANES](unit) < count:
                 if is_key:
                     if lane == 0:

@@ -86,6 +86,13 @@ def _layer_major_tables(rng: np.random.Generator, layers: int, batch: int, rows:
     return row_ids, ring_row_ids
 
 
+def _case_meta(layers: int, batch: int, num_value_heads: int, num_key_heads: int, key_dim: int, value_dim: int,
+               ring_len: int, stride: int, state_dtype: str, seed: int, **more: Any) -> dict[str, Any]:
+    """A case's shape and origin, under the keys of the recorded-case format."""
+    return dict(L=layers, B=batch, nv=num_value_heads, nk=num_key_heads, K=key_dim, V=value_dim,
+                RING_LEN=ring_len, stride=stride, state_dtype=state_dtype, seed=seed, **more)
+
+
 def random_fold_case(
     seed: int,
     *,
@@ -131,9 +138,8 @@ def random_fold_case(
             decays = layout.decay_offset(0)
             records[..., decays : decays + g] = rng.uniform(0.5, 1.0, (num_key_heads, written, g))
     state_out = reference.fold(state.copy(), ring, row_ids, ring_row_ids, accepted)
-    meta = dict(L=layers, B=batch, nv=num_value_heads, nk=num_key_heads, K=key_dim, V=value_dim,
-                RING_LEN=ring_len, stride=stride, state_dtype=state_dtype, seed=seed,
-                source="gdfold_max.cases.random_fold_case (numpy reference fold)")
+    meta = _case_meta(layers, batch, num_value_heads, num_key_heads, key_dim, value_dim, ring_len, stride,
+                      state_dtype, seed, source="gdfold_max.cases.random_fold_case (numpy reference fold)")
     return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, meta=meta)
 
 
@@ -189,10 +195,9 @@ def spec_decode_case(
     for layer in range(layers):
         for b in range(batch):
             ring[ring_row_ids[layer, b], :, int(accepted[b]):] = np.nan
-    meta = dict(L=layers, B=batch, nv=num_value_heads, nk=num_key_heads, K=key_dim, V=value_dim,
-                RING_LEN=ring_len, verify_width=verify_width, stride=layout.min_stride,
-                state_dtype=state_dtype, seed=seed,
-                source="gdfold_max.cases.spec_decode_case (numpy reference verify + forward)")
+    meta = _case_meta(layers, batch, num_value_heads, num_key_heads, key_dim, value_dim, ring_len,
+                      layout.min_stride, state_dtype, seed, verify_width=verify_width,
+                      source="gdfold_max.cases.spec_decode_case (numpy reference verify + forward)")
     extras = dict(qkv=qkv, decay=decay, beta=beta, input_row_offsets=offsets)
     return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, extras=extras, meta=meta)
 

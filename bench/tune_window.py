@@ -1,16 +1,22 @@
 """Times one layer of our fused verify (fold on load) beside MAX's verify and fold for
 the same layer, at Qwen3-Next shapes and an fp32 pool, in one process:
 
-    python bench/tune_window.py BATCH [BATCH ...]
+    python bench/tune_window.py [--kernels DIR [DIR ...]] [--rounds N] [BATCH ...]
 
-It prints microseconds per layer and the ratio; tiling keywords come from the
-environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK), for tuning runs.
+``--kernels`` names Mojo package folders (copies of ``mojo/`` with a change to try);
+their graphs share one session and are timed in turn, round after round, with MAX's
+between them, so that versions are compared under the same conditions rather than
+across processes, whose times differ by up to 10%. Each round takes the best of 5 runs;
+the table shows the median and the best round. Tiling keywords come from the
+environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
+import statistics
+from pathlib import Path
 
 from max.driver import Accelerator
 from max.dtype import DType
@@ -20,21 +26,50 @@ from gdfold_max.bench import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 
+def label(kernels: Path | None) -> str:
+    if kernels is None:
+        return "installed"
+    return kernels.parent.name if kernels.name == "mojo" else kernels.name
+
+
 def main() -> None:
-    batches = [int(arg) for arg in sys.argv[1:]] or [64]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("batches", nargs="*", type=int, default=[64])
+    parser.add_argument("--kernels", nargs="+", type=Path, help="Mojo package folders (default: the installed one)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
     tiling = {key: int(os.environ[name]) for key, name in
               (("column_tile", "GDFOLD_COLUMN_TILE"), ("requests_per_block", "GDFOLD_REQUESTS_PER_BLOCK"))
               if name in os.environ}
     shape = FoldShape(num_layers=1)
     device = Accelerator()
-    graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 3, tiling)
-    graphs.compile_all(["max", "fused"], [DType.float32])
-    for batch in batches:
-        operands = make_step_operands(device, shape, batch, DType.float32)
-        ours = graphs.per_step_seconds("fused", DType.float32, operands, 5)
-        theirs = graphs.per_step_seconds("max", DType.float32, operands, 5)
-        print(f"batch {batch}: fused {ours * 1e6:.1f} us/layer, MAX verify+fold {theirs * 1e6:.1f} us/layer,"
-              f" ratio {theirs / ours:.2f}x", flush=True)
+    session = InferenceSession(devices=[device])
+    f32 = DType.float32
+    anchor = StepGraphs(session, device, shape, 3, tiling)
+    anchor.compile_all(["max"], [f32])
+    folders = args.kernels or [None]
+    names = [label(k) for k in folders]
+    if len(set(names)) < len(names):
+        parser.error(f"--kernels: folders need distinct names, got {names}")
+    ours = {name: StepGraphs(session, device, shape, 3, tiling, kernels=folder)
+            for name, folder in zip(names, folders, strict=True)}
+    for graphs in ours.values():
+        graphs.compile_all(["fused"], [f32])
+    for batch in args.batches:
+        operands = make_step_operands(device, shape, batch, f32)
+        times: dict[str, list[float]] = {name: [] for name in ["MAX verify+fold", *ours]}
+        for _ in range(args.rounds):
+            for name, graphs in ours.items():
+                times[name].append(graphs.per_step_seconds("fused", f32, operands, 5))
+            times["MAX verify+fold"].append(anchor.per_step_seconds("max", f32, operands, 5))
+        theirs = statistics.median(times["MAX verify+fold"])
+        first = statistics.median(times[next(iter(ours))])
+        print(f"batch {batch}: microseconds per layer over {args.rounds} rounds", flush=True)
+        print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs MAX':>9s} {'vs first':>9s}")
+        for name, values in times.items():
+            median = statistics.median(values)
+            print(f"  {name:24s} {median * 1e6:8.1f} {min(values) * 1e6:8.1f} {theirs / median:8.2f}x"
+                  f" {first / median:8.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ RING_LEN tokens per request and RING_LEN - 1 records accepted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TypeAlias
 
 import numpy as np
@@ -55,12 +57,20 @@ class StepRow:
 
 
 class StepGraphs:
-    """Compiled graphs of 1 and R chained decoding steps for each variant."""
+    """Compiled graphs of 1 and R chained decoding steps for each variant.
+
+    ``kernels`` is the Mojo package our variants use (default: the installed one); graphs
+    of several packages can live in one session, so that kernel versions are timed side
+    by side in one process.
+    """
 
     def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int,
-                 tiling: WindowTiling | None = None) -> None:
+                 tiling: WindowTiling | None = None, kernels: Path | None = None) -> None:
         self.session, self.device, self.shape, self.chain = session, device, shape, chain
         self.tiling: WindowTiling = tiling or {}
+        self.kernels = kernels or kernels_path()
+        # Graph names stay distinct across packages in one session.
+        self._tag = "" if kernels is None else "_" + hashlib.sha1(str(kernels).encode()).hexdigest()[:8]
         self._models: dict[tuple[str, DType, int], Model] = {}
 
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType]) -> None:
@@ -85,8 +95,8 @@ class StepGraphs:
             TensorType(u32, ["batch"], where),
             TensorType(u32, ["offsets"], where),
         ]
-        extensions = [] if variant == "max" else [kernels_path()]
-        with Graph(f"step_{variant}_{state_dtype.name}_x{steps}", input_types=inputs,
+        extensions = [] if variant == "max" else [self.kernels]
+        with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{steps}", input_types=inputs,
                    custom_extensions=extensions) as graph:
             pool, ring = graph.inputs[0].buffer, graph.inputs[1].buffer
             qkv, decay, beta, rows, ring_rows, previous_rows, accepted, offsets = (x.tensor for x in graph.inputs[2:])

@@ -165,24 +165,29 @@ def bench_step(
     repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
     column_tile: Annotated[int | None, typer.Option(help="Value columns per GPU block of our verify.")] = None,
     requests_per_block: Annotated[int | None, typer.Option(help="Requests per GPU block of our verify.")] = None,
+    device: Annotated[Target, typer.Option(help="gpu: MAX's ops, ours, ours fused; cpu: ours, ours fused.")] = (
+        Target.gpu
+    ),
     json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
         "bench-step-results.json"
     ),
 ) -> None:
-    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused (GPU only)."""
-    from max.driver import accelerator_count
+    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused."""
+    from max.driver import CPU, accelerator_count
     from max.dtype import DType
 
     from .bench_step import render_steps, run_step_bench, write_step_json
 
-    if accelerator_count() == 0:
-        console.print("bench-step needs a GPU: MAX's verify and fold have no CPU path")
+    if device == Target.gpu and accelerator_count() == 0:
+        console.print("bench-step needs a GPU for MAX's verify and fold, which have no CPU path;"
+                      " --device cpu times ours and ours fused alone")
         raise typer.Exit(2)
     dtype_list = [DType.float32 if d == "float32" else DType.bfloat16 for d in dtypes.split(",")]
     batch_list = [int(b) for b in batches.split(",")]
     tiling = {k: v for k, v in (("column_tile", column_tile), ("requests_per_block", requests_per_block))
               if v is not None}
-    rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, tiling=tiling, console=console)
+    rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, tiling=tiling, console=console,
+                          device=CPU() if device == Target.cpu else None)
     render_steps(rows, console)
     write_step_json(rows, str(json_out))
     console.print(f"wrote {json_out}")

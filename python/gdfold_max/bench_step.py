@@ -10,8 +10,9 @@
 
 A step's time is taken as ``bench`` takes a fold's: graphs of R chained steps and of
 one, per step = (t_R - t_1) / (R - 1), best of several runs. MAX's ops have no CPU
-path: on the CPU only ``ours`` and ``fused`` run. Shapes default to Qwen3-Next-80B's gated-delta layers, a window of
-RING_LEN tokens per request and RING_LEN - 1 records accepted.
+path: on the CPU only ``ours`` and ``fused`` run. Shapes default to Qwen3-Next-80B's
+gated-delta layers, a window of RING_LEN tokens per request and RING_LEN - 1 records
+accepted.
 """
 
 from __future__ import annotations
@@ -243,5 +244,9 @@ def render_steps(rows: Sequence[StepRow], console: Console) -> None:
 
 
 def write_step_json(rows: Sequence[StepRow], path: str) -> None:
+    """The rows as JSON; a ratio that was not measured (``vs_max`` on the CPU) is null."""
+    def plain(row: StepRow) -> dict[str, object]:
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(row).items()}
+
     with open(path, "w") as out:
-        json.dump([asdict(r) for r in rows], out, indent=2)
+        json.dump([plain(r) for r in rows], out, indent=2)

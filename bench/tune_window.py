@@ -25,6 +25,8 @@ from max.engine import InferenceSession
 from gdfold_max.bench import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
+ANCHOR = "MAX verify+fold"
+
 
 def label(kernels: Path | None) -> str:
     if kernels is None:
@@ -57,12 +59,12 @@ def main() -> None:
         graphs.compile_all(["fused"], [f32])
     for batch in args.batches:
         operands = make_step_operands(device, shape, batch, f32)
-        times: dict[str, list[float]] = {name: [] for name in ["MAX verify+fold", *ours]}
+        times: dict[str, list[float]] = {name: [] for name in [ANCHOR, *ours]}
         for _ in range(args.rounds):
             for name, graphs in ours.items():
                 times[name].append(graphs.per_step_seconds("fused", f32, operands, 5))
-            times["MAX verify+fold"].append(anchor.per_step_seconds("max", f32, operands, 5))
-        theirs = statistics.median(times["MAX verify+fold"])
+            times[ANCHOR].append(anchor.per_step_seconds("max", f32, operands, 5))
+        theirs = statistics.median(times[ANCHOR])
         first = statistics.median(times[next(iter(ours))])
         print(f"batch {batch}: microseconds per layer over {args.rounds} rounds", flush=True)
         print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs MAX':>9s} {'vs first':>9s}")

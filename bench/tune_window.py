@@ -1,12 +1,14 @@
 """Times one layer of our fused verify (fold on load) beside MAX's verify and fold for
 the same layer, at Qwen3-Next shapes and an fp32 pool, in one process:
 
-    python bench/tune_window.py [--kernels DIR [DIR ...]] [--rounds N] [BATCH ...]
+    python bench/tune_window.py [--kernels DIR [DIR ...]] [--rounds N] [--cpu] [BATCH ...]
 
 ``--kernels`` names Mojo package folders (copies of ``mojo/`` with a change to try);
-their graphs share one session and are timed in turn, round after round, with MAX's
-between them, so that versions are compared under the same conditions rather than
-across processes, whose times differ by up to 10%. Each round takes the best of 5 runs;
+their graphs share one session and are timed in turn, round after round, with the
+anchor's between them, so that versions are compared under the same conditions rather
+than across processes, whose times differ by up to 10% on a GPU and more on a shared
+CPU. The anchor is MAX's verify + fold on the GPU and, with ``--cpu`` (MAX's ops have no
+CPU path), our own verify + fold from the installed package. Each round takes the best of 5 runs;
 the table shows the median and the best round. Tiling keywords come from the
 environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK).
 """
@@ -18,14 +20,12 @@ import os
 import statistics
 from pathlib import Path
 
-from max.driver import Accelerator
+from max.driver import CPU, Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
 from gdfold_max.bench import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
-
-ANCHOR = "MAX verify+fold"
 
 
 def label(kernels: Path | None) -> str:
@@ -39,16 +39,18 @@ def main() -> None:
     parser.add_argument("batches", nargs="*", type=int, default=[64])
     parser.add_argument("--kernels", nargs="+", type=Path, help="Mojo package folders (default: the installed one)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="time on the CPU against our verify + fold")
     args = parser.parse_args()
     tiling = {key: int(os.environ[name]) for key, name in
               (("column_tile", "GDFOLD_COLUMN_TILE"), ("requests_per_block", "GDFOLD_REQUESTS_PER_BLOCK"))
               if name in os.environ}
     shape = FoldShape(num_layers=1)
-    device = Accelerator()
+    device = CPU() if args.cpu else Accelerator()
     session = InferenceSession(devices=[device])
     f32 = DType.float32
+    anchor_variant, anchor_name = ("ours", "ours verify+fold") if args.cpu else ("max", "MAX verify+fold")
     anchor = StepGraphs(session, device, shape, 3, tiling)
-    anchor.compile_all(["max"], [f32])
+    anchor.compile_all([anchor_variant], [f32])
     folders = args.kernels or [None]
     names = [label(k) for k in folders]
     if len(set(names)) < len(names):
@@ -59,15 +61,15 @@ def main() -> None:
         graphs.compile_all(["fused"], [f32])
     for batch in args.batches:
         operands = make_step_operands(device, shape, batch, f32)
-        times: dict[str, list[float]] = {name: [] for name in [ANCHOR, *ours]}
+        times: dict[str, list[float]] = {name: [] for name in [anchor_name, *ours]}
         for _ in range(args.rounds):
             for name, graphs in ours.items():
                 times[name].append(graphs.per_step_seconds("fused", f32, operands, 5))
-            times[ANCHOR].append(anchor.per_step_seconds("max", f32, operands, 5))
-        theirs = statistics.median(times[ANCHOR])
+            times[anchor_name].append(anchor.per_step_seconds(anchor_variant, f32, operands, 5))
+        theirs = statistics.median(times[anchor_name])
         first = statistics.median(times[next(iter(ours))])
         print(f"batch {batch}: microseconds per layer over {args.rounds} rounds", flush=True)
-        print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs MAX':>9s} {'vs first':>9s}")
+        print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs anchor':>9s} {'vs first':>9s}")
         for name, values in times.items():
             median = statistics.median(values)
             print(f"  {name:24s} {median * 1e6:8.1f} {min(values) * 1e6:8.1f} {theirs / median:8.2f}x"

@@ -189,7 +189,7 @@ def windows_gpu_kernel[
     var record_keys = shared_floats[2 * RECORD_KEYS + 4]()
     var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
     var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
-    # q and k arrive lane-major (window_gpu_staging.copy_lane_major_async); the norms
+    # q and k arrive lane-major (window_gpu_staging.copy_rows_async); the norms
     # turn q into q / |q| / sqrt(K) in place.
     var token_queries = shared_floats[2 * CHUNK * LANE_MAJOR]()
     var token_keys = shared_floats[2 * CHUNK * LANE_MAJOR]()

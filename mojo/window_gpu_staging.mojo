@@ -68,7 +68,7 @@ def permuted_pitch[K: Int]() -> Int:
 
 
 def lane_major_floats[K: Int]() -> Int:
-    """Floats of one K-vector in the lane-major layout (see copy_lane_major_async)."""
+    """Floats of one K-vector in the lane-major layout (see copy_rows_async)."""
     return REDUCTION_LANES * permuted_pitch[K]()
 
 
@@ -223,8 +223,8 @@ def remainder[DIVISOR: Int](index: Int) -> Int:
 
 
 @always_inline
-def copy_floats_async[
-    ROW_LEN: Int, MAX_ROWS: Int, THREADS: Int
+def copy_rows_async[
+    ROW_LEN: Int, MAX_ROWS: Int, THREADS: Int, LANE_MAJOR: Bool = False
 ](
     dst: SharedFloats,
     src: Pointer[Float32, ImmutAnyOrigin],
@@ -234,77 +234,50 @@ def copy_floats_async[
     tid: Int,
 ):
     """Starts copying rows `t < rows` of ROW_LEN floats at `base + t * stride` to
-    consecutive rows of `dst`, 16 bytes per copy, spread over the block's threads."""
-    comptime VECTORS = ROW_LEN // COPY_FLOATS
-    comptime if THREADS % VECTORS == 0:
-        # Whole rows per pass: one source pointer per thread, stepped a row group at
-        # a time (offsets hoisted per pass would cost a 64-bit register each).
-        comptime ROWS_PER_PASS = THREADS // VECTORS
-        var t = quotient[VECTORS](tid)
-        var within = remainder[VECTORS](tid) * COPY_FLOATS
-        var source = src.unsafe_offset(base + t * stride + within)
-        comptime for s in range(ceildiv(MAX_ROWS, ROWS_PER_PASS)):
-            if t + s * ROWS_PER_PASS < rows:
-                async_copy[16](
-                    source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
-                    dst.unsafe_offset((t + s * ROWS_PER_PASS) * ROW_LEN + within),
-                )
-            source = source.unsafe_offset(ROWS_PER_PASS * stride)
-    else:
-        comptime for s in range(ceildiv(MAX_ROWS * VECTORS, THREADS)):
-            var v = tid + s * THREADS
-            if v < rows * VECTORS:
-                var t = quotient[VECTORS](v)
-                var within = remainder[VECTORS](v) * COPY_FLOATS
-                async_copy[16](
-                    src.unsafe_offset(base + t * stride + within).unsafe_address_space_cast[
-                        AddressSpace.GLOBAL
-                    ](),
-                    dst.unsafe_offset(t * ROW_LEN + within),
-                )
+    consecutive rows of `dst`, spread over the block's threads.
 
+    Plain rows land as they are, 16 bytes per copy. LANE_MAJOR rows (of K floats) land
+    in the lane-major layout (`lane_major_at`), rows of `lane_major_floats[K]()`: a
+    thread of reduction lane p then loads its elements p, p + 8, ... with 16-byte
+    loads. Those go four bytes per copy; a warp reads 32 neighbouring floats and
+    writes 32 banks."""
+    comptime PIECE = 1 if LANE_MAJOR else COPY_FLOATS
+    comptime PIECES = ROW_LEN // PIECE
+    comptime DST_ROW = lane_major_floats[ROW_LEN]() if LANE_MAJOR else ROW_LEN
 
-@always_inline
-def copy_lane_major_async[
-    K: Int, MAX_ROWS: Int, THREADS: Int
-](
-    dst: SharedFloats,
-    src: Pointer[Float32, ImmutAnyOrigin],
-    base: Int,
-    stride: Int,
-    rows: Int,
-    tid: Int,
-):
-    """Starts copying rows `t < rows` of K floats at `base + t * stride` to rows of
-    `lane_major_floats[K]()` in `dst`, each in the lane-major layout: a thread of
-    reduction lane p then loads its elements p, p + 8, ... with 16-byte loads. Four
-    bytes per copy; a warp reads 32 neighbouring floats and writes 32 banks."""
-    comptime ROW = lane_major_floats[K]()
-    comptime if THREADS % K == 0:
-        # Whole rows per pass: each thread keeps one element index for every pass.
-        comptime ROWS_PER_PASS = THREADS // K
-        var t = quotient[K](tid)
-        var i = remainder[K](tid)
+    @always_inline
+    def placed(t: Int, i: Int) -> Int:
+        comptime if LANE_MAJOR:
+            return t * DST_ROW + lane_major_at[ROW_LEN](i)
+        else:
+            return t * DST_ROW + i
+
+    comptime if THREADS % PIECES == 0:
+        # Whole rows per pass: one source and one target per thread, stepped a row
+        # group at a time (offsets hoisted per pass would cost a 64-bit register each).
+        comptime ROWS_PER_PASS = THREADS // PIECES
+        var t = quotient[PIECES](tid)
+        var i = remainder[PIECES](tid) * PIECE
         var source = src.unsafe_offset(base + t * stride + i)
-        var target = dst.unsafe_offset(t * ROW + lane_major_at[K](i))
+        var target = dst.unsafe_offset(placed(t, i))
         comptime for s in range(ceildiv(MAX_ROWS, ROWS_PER_PASS)):
             if t + s * ROWS_PER_PASS < rows:
-                async_copy[4](
+                async_copy[4 * PIECE](
                     source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
-                    target.unsafe_offset(s * ROWS_PER_PASS * ROW),
+                    target.unsafe_offset(s * ROWS_PER_PASS * DST_ROW),
                 )
             source = source.unsafe_offset(ROWS_PER_PASS * stride)
     else:
-        comptime for s in range(ceildiv(MAX_ROWS * K, THREADS)):
+        comptime for s in range(ceildiv(MAX_ROWS * PIECES, THREADS)):
             var v = tid + s * THREADS
-            var t = quotient[K](v)
-            var i = remainder[K](v)
+            var t = quotient[PIECES](v)
+            var i = remainder[PIECES](v) * PIECE
             if t < rows:
-                async_copy[4](
+                async_copy[4 * PIECE](
                     src.unsafe_offset(base + t * stride + i).unsafe_address_space_cast[
                         AddressSpace.GLOBAL
                     ](),
-                    dst.unsafe_offset(t * ROW + lane_major_at[K](i)),
+                    dst.unsafe_offset(placed(t, i)),
                 )
 
 
@@ -380,10 +353,10 @@ def copy_records_async[
 ):
     """Starts copying `count` records from `first_record`: the raw keys (lane-major),
     this tile's delta columns and this head's decays."""
-    copy_lane_major_async[K, WINDOW_CHUNK, THREADS](
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, LANE_MAJOR=True](
         keys, ring, first_record + key_offset(), record_stride, count, tid
     )
-    copy_floats_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
+    copy_rows_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
         deltas, ring, first_record + delta_offset[K, V](group_slot) + column,
         record_stride, count, tid,
     )
@@ -418,13 +391,13 @@ def copy_tokens_async[
     token's scalars."""
     var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var token = first_token * qkv_width
-    copy_lane_major_async[K, WINDOW_CHUNK, THREADS](
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, LANE_MAJOR=True](
         queries, qkv, token + key_head * K, qkv_width, count, tid
     )
-    copy_lane_major_async[K, WINDOW_CHUNK, THREADS](
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, LANE_MAJOR=True](
         keys, qkv, token + (num_key_heads + key_head) * K, qkv_width, count, tid
     )
-    copy_floats_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
+    copy_rows_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
         values, qkv, token + 2 * num_key_heads * K + value_head * V + column,
         qkv_width, count, tid,
     )

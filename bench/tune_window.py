@@ -1,7 +1,7 @@
 """Times one layer of our fused verify (fold on load) beside MAX's verify and fold for
 the same layer, at Qwen3-Next shapes and an fp32 pool, in one process:
 
-    python bench/tune_window.py [--kernels DIR [DIR ...]] [--rounds N] [--cpu] [BATCH ...]
+    python bench/tune_window.py [--kernels DIR [DIR ...]] [--rounds N] [--layers N] [--cpu] [BATCH ...]
 
 ``--kernels`` names Mojo package folders (copies of ``mojo/`` with a change to try);
 their graphs share one session and are timed in turn, round after round, with the
@@ -10,7 +10,9 @@ than across processes, whose times differ by up to 10% on a GPU and more on a sh
 CPU. The anchor is MAX's verify + fold on the GPU and, with ``--cpu`` (MAX's ops have no
 CPU path), our own verify + fold from the installed package. Each round takes the best of 5 runs;
 the table shows the median and the best round. Tiling keywords come from the
-environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK).
+environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK). ``--layers`` runs that many
+layers per step (default 1), so that the pool outgrows the caches as a whole model's does;
+times are still per layer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from gdfold_max.bench_step import StepGraphs, make_step_operands
 def label(kernels: Path | None) -> str:
     if kernels is None:
         return "installed"
-    return kernels.parent.name if kernels.name == "mojo" else kernels.name
+    return kernels.resolve().parent.name if kernels.name == "mojo" else kernels.name
 
 
 def main() -> None:
@@ -39,12 +41,13 @@ def main() -> None:
     parser.add_argument("batches", nargs="*", type=int, default=[64])
     parser.add_argument("--kernels", nargs="+", type=Path, help="Mojo package folders (default: the installed one)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=1, help="layers per step (times are per layer)")
     parser.add_argument("--cpu", action="store_true", help="time on the CPU against our verify + fold")
     args = parser.parse_args()
     tiling = {key: int(os.environ[name]) for key, name in
               (("column_tile", "GDFOLD_COLUMN_TILE"), ("requests_per_block", "GDFOLD_REQUESTS_PER_BLOCK"))
               if name in os.environ}
-    shape = FoldShape(num_layers=1)
+    shape = FoldShape(num_layers=args.layers)
     device = CPU() if args.cpu else Accelerator()
     session = InferenceSession(devices=[device])
     f32 = DType.float32
@@ -72,7 +75,8 @@ def main() -> None:
         print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs anchor':>9s} {'vs first':>9s}")
         for name, values in times.items():
             median = statistics.median(values)
-            print(f"  {name:24s} {median * 1e6:8.1f} {min(values) * 1e6:8.1f} {theirs / median:8.2f}x"
+            per_layer = 1e6 / args.layers
+            print(f"  {name:24s} {median * per_layer:8.1f} {min(values) * per_layer:8.1f} {theirs / median:8.2f}x"
                   f" {first / median:8.2f}x", flush=True)
 
 

@@ -12,6 +12,62 @@ from .state_cast import narrow, widen
 comptime CPU_LANES = 8
 
 
+@always_inline
+def fold_head_cpu[
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, _],
+    state_base: Int,
+    record_base: Int,
+    record_stride: Int,
+    accepted: Int,
+    group_size: Int,
+    group_slot: Int,
+):
+    """Folds `accepted` records (1 to RING_LEN, record t at `record_base + t *
+    record_stride`) into one value head's [K, V] block at `state_base`, row by row.
+
+    The caller sets the float control (keep_subnormals) around it."""
+    # Vectors of one row processed together (V is a multiple of CPU_LANES).
+    comptime GROUP = 4 if V % (4 * CPU_LANES) == 0 else (
+        2 if V % (2 * CPU_LANES) == 0 else 1
+    )
+    # Copy the head's accepted records into scratch that cannot alias the pool, so
+    # the loops below keep them in cache and registers.
+    var keys = stack_allocation[RING_LEN * K, DType.float32]()
+    var deltas = stack_allocation[RING_LEN * V, DType.float32]()
+    var decays = stack_allocation[RING_LEN, DType.float32]()
+    var delta_at = delta_offset[K, V](group_slot)
+    var decay_at = decay_offset[K, V](group_size, group_slot)
+    for t in range(accepted):
+        var record = record_base + t * record_stride
+        decays[unsafe_offset=t] = ring[unsafe_offset=record + decay_at]
+        for i in range(0, K, CPU_LANES):
+            keys.unsafe_store(t * K + i, ring.unsafe_load[width=CPU_LANES](record + key_offset() + i))
+        for j in range(0, V, CPU_LANES):
+            deltas.unsafe_store(t * V + j, ring.unsafe_load[width=CPU_LANES](record + delta_at + j))
+
+    for i in range(K):
+        for j in range(0, V, GROUP * CPU_LANES):
+            var at = state_base + i * V + j
+            # GROUP independent vectors per step, so their fma chains overlap.
+            var s = Array[SIMD[DType.float32, CPU_LANES], GROUP](uninitialized=True)
+            comptime for c in range(GROUP):
+                s[c] = widen[state_dtype, CPU_LANES](
+                    state.unsafe_load[width=CPU_LANES](at + c * CPU_LANES)
+                )
+            for t in range(accepted):
+                var key = SIMD[DType.float32, CPU_LANES](keys[unsafe_offset=t * K + i])
+                var decay = decays[unsafe_offset=t]
+                comptime for c in range(GROUP):
+                    var delta = deltas.unsafe_load[width=CPU_LANES](t * V + j + c * CPU_LANES)
+                    # The verify's order: decay, rounded, then one fused step.
+                    s[c] = fma(key, delta, s[c] * decay)
+            comptime for c in range(GROUP):
+                state.unsafe_store(at + c * CPU_LANES, narrow[state_dtype, CPU_LANES](s[c]))
+
+
 def fold_cpu[
     state_dtype: DType, K: Int, V: Int, RING_LEN: Int
 ](
@@ -27,10 +83,6 @@ def fold_cpu[
     record_stride: Int,
 ):
     """Folds every (layer, request, value head) block; ids were validated."""
-    # Vectors of one row processed together (V is a multiple of CPU_LANES).
-    comptime GROUP = 4 if V % (4 * CPU_LANES) == 0 else (
-        2 if V % (2 * CPU_LANES) == 0 else 1
-    )
     var group_size = num_value_heads // num_key_heads
 
     def fold_one_head(item: Int) {imm}:
@@ -41,7 +93,6 @@ def fold_cpu[
         if accepted == 0 or accepted > RING_LEN:
             return
         var key_head = value_head // group_size
-        var group_slot = value_head % group_size
         var state_base = (
             (Int(row_ids[unsafe_offset=pair]) * num_value_heads + value_head) * K * V
         )
@@ -51,42 +102,11 @@ def fold_cpu[
             * RING_LEN
             * record_stride
         )
-        # Copy this head's accepted records into scratch that cannot alias the pool,
-        # so the loops below keep them in cache and registers.
-        var keys = stack_allocation[RING_LEN * K, DType.float32]()
-        var deltas = stack_allocation[RING_LEN * V, DType.float32]()
-        var decays = stack_allocation[RING_LEN, DType.float32]()
-        var delta_at = delta_offset[K, V](group_slot)
-        var decay_at = decay_offset[K, V](group_size, group_slot)
-        for t in range(accepted):
-            var record = record_base + t * record_stride
-            decays[unsafe_offset=t] = ring[unsafe_offset=record + decay_at]
-            for i in range(0, K, CPU_LANES):
-                keys.unsafe_store(t * K + i, ring.unsafe_load[width=CPU_LANES](record + key_offset() + i))
-            for j in range(0, V, CPU_LANES):
-                deltas.unsafe_store(t * V + j, ring.unsafe_load[width=CPU_LANES](record + delta_at + j))
-
         var saved_control = keep_subnormals()
-        for i in range(K):
-            for j in range(0, V, GROUP * CPU_LANES):
-                var at = state_base + i * V + j
-                # GROUP independent vectors per step, so their fma chains overlap.
-                var s = Array[SIMD[DType.float32, CPU_LANES], GROUP](uninitialized=True)
-                comptime for c in range(GROUP):
-                    s[c] = widen[state_dtype, CPU_LANES](
-                        state.unsafe_load[width=CPU_LANES](at + c * CPU_LANES)
-                    )
-                for t in range(accepted):
-                    var key = SIMD[DType.float32, CPU_LANES](keys[unsafe_offset=t * K + i])
-                    var decay = decays[unsafe_offset=t]
-                    comptime for c in range(GROUP):
-                        var delta = deltas.unsafe_load[width=CPU_LANES](t * V + j + c * CPU_LANES)
-                        # The verify's order: decay, rounded, then one fused step.
-                        s[c] = fma(key, delta, s[c] * decay)
-                comptime for c in range(GROUP):
-                    state.unsafe_store(
-                        at + c * CPU_LANES, narrow[state_dtype, CPU_LANES](s[c])
-                    )
+        fold_head_cpu[state_dtype, K, V, RING_LEN](
+            state, ring, state_base, record_base, record_stride, accepted, group_size,
+            value_head % group_size,
+        )
         write_float_control(saved_control)
 
     sync_parallelize(fold_one_head, num_layers * batch * num_value_heads)

@@ -1,10 +1,12 @@
-"""The verify window and the forward on the CPU: parallel over (request, value head,
-8-column block), since every column of a head's [K, V] state evolves on its own; each
-task runs a range of neighbouring items.
+"""The verify window and the forward on the CPU: parallel over (request, value head);
+each task runs a range of neighbouring heads.
 
-Each work item keeps its K x 8 slice of the state in registers and stack, applies the
-previous step's accepted records first when asked to (fold on load), then runs the
-request's tokens. Norms are recomputed per column block: cheap next to the state work.
+When asked to (fold on load), a head first gets the previous step's accepted records,
+row by row as the fold applies them (fold_cpu.fold_head_cpu), and is written back; its
+columns then run the request's tokens 8 at a time, from a state still in cache (every
+column of a head's [K, V] state evolves on its own). Each 8-column block keeps its K x 8
+slice of the state in registers and stack. Norms are recomputed per column block: cheap
+next to the state work.
 """
 
 from max.algorithm import sync_parallelize
@@ -12,6 +14,7 @@ from std.math import fma
 from std.sys import num_logical_cores
 
 from .float_env import keep_subnormals, write_float_control
+from .fold_cpu import fold_head_cpu
 from .recurrence_math import REDUCTION_LANES, inverse_norm, lane_tree, query_scale
 from .record_layout import decay_offset, delta_offset, key_offset
 from .state_cast import narrow, widen
@@ -51,10 +54,8 @@ def windows_cpu[
     var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var readout_width = num_value_heads * V
 
-    def run_one(item: Int) {imm}:
-        var block = item % BLOCKS
-        var value_head = (item // BLOCKS) % num_value_heads
-        var request = item // (BLOCKS * num_value_heads)
+    @always_inline
+    def run_block(request: Int, value_head: Int, block: Int) {imm}:
         var column = block * W
         var key_head = value_head // group_size
         var group_slot = value_head % group_size
@@ -66,35 +67,9 @@ def windows_cpu[
             (Int(row_ids[unsafe_offset=request]) * num_value_heads + value_head) * K * V
             + column
         )
-        var saved_control = keep_subnormals()
-
         var s = Array[SIMD[DType.float32, W], K](uninitialized=True)
         for i in range(K):
             s[i] = widen[state_dtype, W](state.unsafe_load[width=W](state_base + i * V))
-
-        var changed = end > start
-        comptime if FOLD_PREVIOUS:
-            var accepted = Int(previous_accepted[unsafe_offset=request])
-            if accepted >= 1 and accepted <= RING_LEN:
-                var record_base = (
-                    (Int(previous_ring_row_ids[unsafe_offset=request]) * num_key_heads + key_head)
-                    * RING_LEN
-                    * record_stride
-                )
-                changed = True
-                for t in range(accepted):
-                    var record = record_base + t * record_stride
-                    var d = ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)]
-                    var u = ring.unsafe_load[width=W](record + delta_offset[K, V](group_slot) + column)
-                    for i in range(K):
-                        var k = SIMD[DType.float32, W](ring[unsafe_offset=record + key_offset() + i])
-                        s[i] = fma(k, u, s[i] * d)
-                # What a separate fold would leave in the pool, and what a verify reads back.
-                for i in range(K):
-                    var stored = narrow[state_dtype, W](s[i])
-                    s[i] = widen[state_dtype, W](stored)
-                    if not commit:
-                        state.unsafe_store(state_base + i * V, stored)
 
         comptime scale = query_scale[K]()
         for t in range(start, end):
@@ -143,19 +118,41 @@ def windows_cpu[
                             for i in range(K):
                                 ring[unsafe_offset=record + key_offset() + i] = qkv[unsafe_offset=k_at + i]
 
-        if commit and changed:
+        if commit and end > start:
             for i in range(K):
                 state.unsafe_store(state_base + i * V, narrow[state_dtype, W](s[i]))
+
+    def run_head(item: Int) {imm}:
+        var value_head = item % num_value_heads
+        var request = item // num_value_heads
+        var saved_control = keep_subnormals()
+        comptime if FOLD_PREVIOUS:
+            var accepted = Int(previous_accepted[unsafe_offset=request])
+            if accepted >= 1 and accepted <= RING_LEN:
+                # What a separate fold leaves in the pool, and what the window reads.
+                fold_head_cpu[state_dtype, K, V, RING_LEN](
+                    state,
+                    ring,
+                    (Int(row_ids[unsafe_offset=request]) * num_value_heads + value_head) * K * V,
+                    (Int(previous_ring_row_ids[unsafe_offset=request]) * num_key_heads
+                     + value_head // group_size) * RING_LEN * record_stride,
+                    record_stride,
+                    accepted,
+                    group_size,
+                    value_head % group_size,
+                )
+        for block in range(BLOCKS):
+            run_block(request, value_head, block)
         write_float_control(saved_control)
 
-    # One task per run of neighbouring items, a few runs per core: with a task per item
-    # the tasks' overhead made a verify layer at batch 8 about 1.6 times slower on two
-    # cores, and neighbouring blocks share the state's cache lines.
-    var items = batch * num_value_heads * BLOCKS
+    # One task per run of neighbouring heads, a few runs per core: with a task per
+    # 8-column block the tasks' overhead made a verify layer at batch 8 about 1.6 times
+    # slower on two cores.
+    var items = batch * num_value_heads
     var tasks = min(items, TASKS_PER_CORE * num_logical_cores())
 
     def run_items(task: Int) {imm}:
         for item in range(task * items // tasks, (task + 1) * items // tasks):
-            run_one(item)
+            run_head(item)
 
     sync_parallelize(run_items, tasks)

@@ -5,8 +5,8 @@ When asked to (fold on load), a head first gets the previous step's accepted rec
 row by row as the fold applies them (fold_cpu.fold_head_cpu), and is written back; its
 columns then run the request's tokens 8 at a time, from a state still in cache (every
 column of a head's [K, V] state evolves on its own). Each 8-column block keeps its K x 8
-slice of the state in registers and stack. Norms are recomputed per column block: cheap
-next to the state work.
+slice of the state in registers and stack. The tokens' norms are computed first, once
+per (token, key head), for every block of every value head that reads them.
 """
 
 from max.algorithm import sync_parallelize
@@ -53,6 +53,22 @@ def windows_cpu[
     var group_size = num_value_heads // num_key_heads
     var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var readout_width = num_value_heads * V
+    comptime scale = query_scale[K]()
+
+    # 1. Every token's 1 / |k| and 1 / |q| / sqrt(K), once per key head: each is read by
+    #    the V / 8 blocks of the key head's group_size value heads.
+    var num_tokens = Int(offsets[unsafe_offset=batch])  # the offsets were validated
+    var norm_items = num_tokens * num_key_heads
+    var norms = List[Float32](length=2 * norm_items, fill=0.0)
+    var norms_at = norms.unsafe_ptr()
+
+    @always_inline
+    def inverse_key_norm(t: Int, key_head: Int) {imm} -> Float32:
+        return norms_at[unsafe_offset=2 * (t * num_key_heads + key_head)]
+
+    @always_inline
+    def query_norm_scale(t: Int, key_head: Int) {imm} -> Float32:
+        return norms_at[unsafe_offset=2 * (t * num_key_heads + key_head) + 1]
 
     @always_inline
     def run_block(request: Int, value_head: Int, block: Int) {imm}:
@@ -71,13 +87,12 @@ def windows_cpu[
         for i in range(K):
             s[i] = widen[state_dtype, W](state.unsafe_load[width=W](state_base + i * V))
 
-        comptime scale = query_scale[K]()
         for t in range(start, end):
             var q_at = t * qkv_width + key_head * K
             var k_at = t * qkv_width + num_key_heads * K + key_head * K
             var v_at = t * qkv_width + 2 * num_key_heads * K + value_head * V + column
-            var inv_k = inverse_norm[K](qkv, k_at)
-            var q_scale = inverse_norm[K](qkv, q_at) * scale
+            var inv_k = inverse_key_norm(t, key_head)
+            var q_scale = query_norm_scale(t, key_head)
             var d = decay[unsafe_offset=t * num_value_heads + value_head]
             var b = beta[unsafe_offset=t * num_value_heads + value_head]
 
@@ -145,14 +160,36 @@ def windows_cpu[
             run_block(request, value_head, block)
         write_float_control(saved_control)
 
-    # One task per run of neighbouring heads, a few runs per core: with a task per
-    # 8-column block the tasks' overhead made a verify layer at batch 8 about 1.6 times
-    # slower on two cores.
-    var items = batch * num_value_heads
-    var tasks = min(items, TASKS_PER_CORE * num_logical_cores())
+    def norm_tokens(first: Int, last: Int) {imm}:
+        var saved_control = keep_subnormals()
+        for item in range(first, last):
+            var t = item // num_key_heads
+            var key_head = item % num_key_heads
+            var q_at = t * qkv_width + key_head * K
+            norms_at[unsafe_offset=2 * item] = inverse_norm[K](qkv, q_at + num_key_heads * K)
+            norms_at[unsafe_offset=2 * item + 1] = inverse_norm[K](qkv, q_at) * scale
+        write_float_control(saved_control)
 
-    def run_items(task: Int) {imm}:
-        for item in range(task * items // tasks, (task + 1) * items // tasks):
+    @always_inline
+    def run_heads(first: Int, last: Int) {imm}:
+        for item in range(first, last):
             run_head(item)
 
-    sync_parallelize(run_items, tasks)
+    split_over_tasks(norm_tokens, norm_items)
+    # 2. The heads. A task per 8-column block made a verify layer at batch 8 about 1.6
+    #    times slower on two cores, for the tasks' overhead.
+    split_over_tasks(run_heads, batch * num_value_heads)
+    _ = norms^  # alive until every task is done
+
+
+def split_over_tasks[Work: def(Int, Int) -> None](work: Work, items: Int):
+    """Runs `work(first, last)` over ranges of neighbouring items, TASKS_PER_CORE ranges per
+    core, in parallel."""
+    if items == 0:
+        return
+    var tasks = min(items, TASKS_PER_CORE * num_logical_cores())
+
+    def run_range(task: Int) {imm}:
+        work(task * items // tasks, (task + 1) * items // tasks)
+
+    sync_parallelize(run_range, tasks)

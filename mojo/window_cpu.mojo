@@ -62,6 +62,18 @@ def windows_cpu[
     var norms = List[Float32](length=2 * norm_items, fill=0.0)
     var norms_at = norms.unsafe_ptr()
 
+    def norm_tokens(first: Int, last: Int) {imm}:
+        var saved_control = keep_subnormals()
+        for item in range(first, last):
+            var t = item // num_key_heads
+            var key_head = item % num_key_heads
+            var q_at = t * qkv_width + key_head * K
+            norms_at[unsafe_offset=2 * item] = inverse_norm[K](qkv, q_at + num_key_heads * K)
+            norms_at[unsafe_offset=2 * item + 1] = inverse_norm[K](qkv, q_at) * scale
+        write_float_control(saved_control)
+
+    split_over_tasks(norm_tokens, norm_items)
+
     @always_inline
     def inverse_key_norm(t: Int, key_head: Int) {imm} -> Float32:
         return norms_at[unsafe_offset=2 * (t * num_key_heads + key_head)]
@@ -160,22 +172,11 @@ def windows_cpu[
             run_block(request, value_head, block)
         write_float_control(saved_control)
 
-    def norm_tokens(first: Int, last: Int) {imm}:
-        var saved_control = keep_subnormals()
-        for item in range(first, last):
-            var t = item // num_key_heads
-            var key_head = item % num_key_heads
-            var q_at = t * qkv_width + key_head * K
-            norms_at[unsafe_offset=2 * item] = inverse_norm[K](qkv, q_at + num_key_heads * K)
-            norms_at[unsafe_offset=2 * item + 1] = inverse_norm[K](qkv, q_at) * scale
-        write_float_control(saved_control)
-
     @always_inline
     def run_heads(first: Int, last: Int) {imm}:
         for item in range(first, last):
             run_head(item)
 
-    split_over_tasks(norm_tokens, norm_items)
     # 2. The heads. A task per 8-column block made a verify layer at batch 8 about 1.6
     #    times slower on two cores, for the tasks' overhead.
     split_over_tasks(run_heads, batch * num_value_heads)

@@ -5,7 +5,7 @@ from std.math import fma
 from std.memory import stack_allocation
 
 from .float_env import keep_subnormals, write_float_control
-from .record_layout import decay_offset, delta_offset, key_offset
+from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
 from .state_cast import narrow, widen
 
 # Lanes per SIMD step along the value dimension. K and V are multiples of 8.
@@ -96,11 +96,8 @@ def fold_cpu[
         var state_base = (
             (Int(row_ids[unsafe_offset=pair]) * num_value_heads + value_head) * K * V
         )
-        # Record t of this key head starts at record_base + t * record_stride.
-        var record_base = (
-            (Int(ring_row_ids[unsafe_offset=pair]) * num_key_heads + key_head)
-            * RING_LEN
-            * record_stride
+        var record_base = first_record_at[RING_LEN](
+            Int(ring_row_ids[unsafe_offset=pair]), num_key_heads, key_head, record_stride
         )
         var saved_control = keep_subnormals()
         fold_head_cpu[state_dtype, K, V, RING_LEN](

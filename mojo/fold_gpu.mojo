@@ -14,7 +14,7 @@ from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 
-from .record_layout import decay_offset, delta_offset, key_offset
+from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
 
 # Floats per 16-byte record load. Record strides and K, V are multiples of 4 floats.
 comptime RECORD_VEC = 4
@@ -131,9 +131,7 @@ def fold_gpu_kernel[
     var group_size = num_value_heads // num_key_heads
     var key_head = value_head // group_size
     var group_slot = value_head % group_size
-    var record_base = (
-        (ring_row * num_key_heads + key_head) * RING_LEN * record_stride
-    )
+    var record_base = first_record_at[RING_LEN](ring_row, num_key_heads, key_head, record_stride)
     var keys = stack_allocation[
         RING_LEN * KEY_DIM_TILE,
         DType.float32,

@@ -7,6 +7,15 @@ head of the group (G floats), then padding up to the ring's record stride.
 
 
 @always_inline
+def first_record_at[
+    RING_LEN: Int
+](ring_row: Int, num_key_heads: Int, key_head: Int, record_stride: Int) -> Int:
+    """Where record 0 of key head `key_head` in ring row `ring_row` starts in the ring;
+    record t follows at `t * record_stride`."""
+    return (ring_row * num_key_heads + key_head) * RING_LEN * record_stride
+
+
+@always_inline
 def key_offset() -> Int:
     """Offset of the raw key inside a record."""
     return 0

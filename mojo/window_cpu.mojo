@@ -16,7 +16,7 @@ from std.sys import num_logical_cores
 from .float_env import keep_subnormals, write_float_control
 from .fold_cpu import fold_head_cpu
 from .recurrence_math import REDUCTION_LANES, inverse_norm, lane_tree, query_scale
-from .record_layout import decay_offset, delta_offset, key_offset
+from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
 from .state_cast import narrow, widen
 
 comptime COLUMN_BLOCK = 8
@@ -83,7 +83,7 @@ def windows_cpu[
         return norms_at[unsafe_offset=2 * (t * num_key_heads + key_head) + 1]
 
     @always_inline
-    def run_block(request: Int, value_head: Int, block: Int) {imm}:
+    def run_block(request: Int, value_head: Int, head_base: Int, block: Int) {imm}:
         var column = block * W
         var key_head = value_head // group_size
         var group_slot = value_head % group_size
@@ -91,10 +91,7 @@ def windows_cpu[
         var end = Int(offsets[unsafe_offset=request + 1])
         # A window longer than the ring cannot be recorded: the request commits instead.
         var commit = not RECORD or end - start > RING_LEN
-        var state_base = (
-            (Int(row_ids[unsafe_offset=request]) * num_value_heads + value_head) * K * V
-            + column
-        )
+        var state_base = head_base + column
         var s = Array[SIMD[DType.float32, W], K](uninitialized=True)
         for i in range(K):
             s[i] = widen[state_dtype, W](state.unsafe_load[width=W](state_base + i * V))
@@ -133,11 +130,10 @@ def windows_cpu[
 
             comptime if RECORD:
                 if not commit:
-                    var record = (
-                        (Int(ring_row_ids[unsafe_offset=request]) * num_key_heads + key_head)
-                        * RING_LEN
-                        + (t - start)
-                    ) * record_stride
+                    var record = first_record_at[RING_LEN](
+                        Int(ring_row_ids[unsafe_offset=request]), num_key_heads, key_head,
+                        record_stride,
+                    ) + (t - start) * record_stride
                     ring.unsafe_store(record + delta_offset[K, V](group_slot) + column, u)
                     if block == 0:
                         ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
@@ -152,6 +148,8 @@ def windows_cpu[
     def run_head(item: Int) {imm}:
         var value_head = item % num_value_heads
         var request = item // num_value_heads
+        # Where the head's [K, V] block starts in the pool.
+        var head_base = (Int(row_ids[unsafe_offset=request]) * num_value_heads + value_head) * K * V
         var saved_control = keep_subnormals()
         comptime if FOLD_PREVIOUS:
             var accepted = Int(previous_accepted[unsafe_offset=request])
@@ -160,16 +158,18 @@ def windows_cpu[
                 fold_head_cpu[state_dtype, K, V, RING_LEN](
                     state,
                     ring,
-                    (Int(row_ids[unsafe_offset=request]) * num_value_heads + value_head) * K * V,
-                    (Int(previous_ring_row_ids[unsafe_offset=request]) * num_key_heads
-                     + value_head // group_size) * RING_LEN * record_stride,
+                    head_base,
+                    first_record_at[RING_LEN](
+                        Int(previous_ring_row_ids[unsafe_offset=request]), num_key_heads,
+                        value_head // group_size, record_stride,
+                    ),
                     record_stride,
                     accepted,
                     group_size,
                     value_head % group_size,
                 )
         for block in range(BLOCKS):
-            run_block(request, value_head, block)
+            run_block(request, value_head, head_base, block)
         write_float_control(saved_control)
 
     @always_inline

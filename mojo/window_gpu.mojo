@@ -33,7 +33,7 @@ from std.memory import AddressSpace, stack_allocation
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
-from .record_layout import decay_offset, delta_offset, key_offset
+from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
 from .recurrence_math import REDUCTION_LANES
 from .window_gpu_staging import (
     BETA_AT,
@@ -222,7 +222,7 @@ def windows_gpu_kernel[
     # Where the request's previous records for this key head start in the ring.
     @always_inline
     def previous_records_at(plan: RequestPlan) {imm} -> Int:
-        return (plan.previous_row * num_key_heads + key_head) * RING_LEN * record_stride
+        return first_record_at[RING_LEN](plan.previous_row, num_key_heads, key_head, record_stride)
 
     # Starts every copy a request needs first, into buffer `buffer`.
     @always_inline

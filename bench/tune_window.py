@@ -62,6 +62,7 @@ def main() -> None:
             for name, folder in zip(names, folders, strict=True)}
     for graphs in ours.values():
         graphs.compile_all(["fused"], [f32])
+    per_layer = 1e6 / args.layers  # seconds per step to microseconds per layer
     for batch in args.batches:
         operands = make_step_operands(device, shape, batch, f32)
         times: dict[str, list[float]] = {name: [] for name in [anchor_name, *ours]}
@@ -75,7 +76,6 @@ def main() -> None:
         print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs anchor':>9s} {'vs first':>9s}")
         for name, values in times.items():
             median = statistics.median(values)
-            per_layer = 1e6 / args.layers
             print(f"  {name:24s} {median * per_layer:8.1f} {min(values) * per_layer:8.1f} {theirs / median:8.2f}x"
                   f" {first / median:8.2f}x", flush=True)
 

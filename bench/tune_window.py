@@ -1,7 +1,8 @@
 """Times one layer of our fused verify (fold on load) beside MAX's verify and fold for
 the same layer, at Qwen3-Next shapes and an fp32 pool, in one process:
 
-    python bench/tune_window.py [--kernels DIR [DIR ...]] [--rounds N] [--layers N] [--cpu] [BATCH ...]
+    python bench/tune_window.py [--kernels DIR [DIR ...]] [--column-tiles T [T ...]] [--rounds N]
+                                [--layers N] [--cpu] [BATCH ...]
 
 ``--kernels`` names Mojo package folders (copies of ``mojo/`` with a change to try);
 their graphs share one session and are timed in turn, round after round, with the
@@ -10,7 +11,9 @@ than across processes, whose times differ by up to 10% on a GPU and more on a sh
 CPU. The anchor is MAX's verify + fold on the GPU and, with ``--cpu`` (MAX's ops have no
 CPU path), our own verify + fold from the installed package. Each round takes the best of 5 runs;
 the table shows the median and the best round. Tiling keywords come from the
-environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK). ``--layers`` runs that many
+environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK); ``--column-tiles`` gives each
+folder of ``--kernels`` its own column tile instead, so that kernels whose best tiles
+differ (or one kernel at several tiles) are still timed in one process. ``--layers`` runs that many
 layers per step (default 1), so that the pool outgrows the caches as a whole model's does;
 times are still per layer.
 """
@@ -40,6 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("batches", nargs="*", type=int, default=[64])
     parser.add_argument("--kernels", nargs="+", type=Path, help="Mojo package folders (default: the installed one)")
+    parser.add_argument("--column-tiles", nargs="+", type=int,
+                        help="a column tile per folder of --kernels (default: GDFOLD_COLUMN_TILE or the op's)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=1, help="layers per step (times are per layer)")
     parser.add_argument("--cpu", action="store_true", help="time on the CPU against our verify + fold")
@@ -55,11 +60,18 @@ def main() -> None:
     anchor = StepGraphs(session, device, shape, 3, tiling)
     anchor.compile_all([anchor_variant], [f32])
     folders = args.kernels or [None]
-    names = [label(k) for k in folders]
+    tiles: list[int | None] = [None] * len(folders)
+    if args.column_tiles is not None:
+        if len(args.column_tiles) != len(folders):
+            parser.error(f"--column-tiles: give one per folder of --kernels ({len(folders)}),"
+                         f" got {len(args.column_tiles)}")
+        tiles = list(args.column_tiles)
+    names = [label(k) if t is None else f"{label(k)} tile {t}" for k, t in zip(folders, tiles, strict=True)]
     if len(set(names)) < len(names):
         parser.error(f"--kernels: folders need distinct names, got {names}")
-    ours = {name: StepGraphs(session, device, shape, 3, tiling, kernels=folder)
-            for name, folder in zip(names, folders, strict=True)}
+    ours = {name: StepGraphs(session, device, shape, 3, tiling if t is None else {**tiling, "column_tile": t},
+                             kernels=folder)
+            for name, folder, t in zip(names, folders, tiles, strict=True)}
     for graphs in ours.values():
         graphs.compile_all(["fused"], [f32])
     per_layer = 1e6 / args.layers  # seconds per step to microseconds per layer

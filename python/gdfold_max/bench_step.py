@@ -74,8 +74,9 @@ class StepGraphs:
         self.session, self.device, self.shape, self.chain = session, device, shape, chain
         self.tiling: WindowTiling = tiling or {}
         self.kernels = kernels or kernels_path()
-        # Graph names stay distinct across packages in one session.
-        self._tag = "" if kernels is None else "_" + hashlib.sha1(str(kernels).encode()).hexdigest()[:8]
+        # Graph names stay distinct across packages, and tilings, in one session.
+        self._tag = "" if kernels is None else "_" + hashlib.sha1(
+            f"{kernels}|{sorted(self.tiling.items())}".encode()).hexdigest()[:8]
         self._models: dict[tuple[str, DType, int], Model] = {}
 
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType]) -> None:

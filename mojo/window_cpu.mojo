@@ -68,7 +68,8 @@ def windows_cpu[
             var t = item // num_key_heads
             var key_head = item % num_key_heads
             var q_at = t * qkv_width + key_head * K
-            norms_at[unsafe_offset=2 * item] = inverse_norm[K](qkv, q_at + num_key_heads * K)
+            var k_at = q_at + num_key_heads * K
+            norms_at[unsafe_offset=2 * item] = inverse_norm[K](qkv, k_at)
             norms_at[unsafe_offset=2 * item + 1] = inverse_norm[K](qkv, q_at) * scale
         write_float_control(saved_control)
 

@@ -2,11 +2,11 @@
 tile, run of requests) of one layer.
 
 A head's [K, V] state splits into independent column tiles (kv[j] and the readout
-only ever sum down column j). Each column of a tile belongs to four threads: thread j
-holds the key rows of reduction lanes j and j + 4 (`j, j + 4, j + 8, j + 12, ...`) in
-registers, so every reduction over K is two fma chains per thread, the first pairwise
-step inside the thread and two butterfly shuffles, in the fixed order of
-recurrence_math.mojo.
+only ever sum down column j). A thread holds one reduction lane of four neighbouring
+columns: lane p's key rows p, p + 8, p + 16, ... as 16-byte vectors. Each sum over K
+is then one fma chain per column inside the thread and three butterfly steps across
+the column group's eight lanes, in the fixed order of recurrence_math.mojo; q and k
+are read four elements at a time where they are used, so registers go to the state.
 
 Per request, the block
 1. waits for the asynchronous copies of the request's state tile, first records and
@@ -16,7 +16,9 @@ Per request, the block
 2. starts the copies for its next request, so that they land while it computes;
 3. folds the previous step's accepted records into the state when asked to (fold on
    load) and writes the folded state back: a decoding step reads and writes each
-   state element once;
+   state element once. The folded state goes back into the staged tile and leaves by
+   bulk copies (the copy engine, not the warps, waits on memory); only then does the
+   next request's tile come in, row by row as each row has left;
 4. runs the window token by token, writing the readout and, for a verify, the ring
    records; a forward, or a window longer than the ring, writes the state instead.
    A token's readout sums finish while the next token computes.
@@ -26,10 +28,11 @@ run of requests, so the copies of one request overlap the arithmetic of another.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
-from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
+from max.gpu.memory import async_copy_commit_group, async_copy_wait_all, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
+from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
@@ -38,6 +41,7 @@ from .recurrence_math import REDUCTION_LANES
 from .window_gpu_staging import (
     BETA_AT,
     BLOCK_SHARED_LIMIT,
+    BLOCK_SHARED_MAX,
     DECAY_AT,
     INVERSE_KEY_NORM_AT,
     PLAN_FIELDS,
@@ -56,49 +60,85 @@ from .window_gpu_staging import (
     remainder,
     permuted_pitch,
     RequestPlan,
+    SharedBarrier,
+    shared_writes_visible_to_bulk_copies,
+    store_tile_rows_bulk,
+    wait_bulk_stores_read,
+    copy_state_tile_bulk,
+    expect_tile_bytes,
+    init_tile_barrier,
+    tile_rows_copy_in_bulk,
+    wait_tile,
     plan_request,
     shared_floats,
     state_tile_pitch,
     window_blocks_per_sm,
-    window_shared_bytes,
+    window_static_bytes,
+    window_tile_bytes,
 )
 
-# A column's eight reduction lanes live on COLUMN_THREADS threads: thread j holds the
-# key rows of lanes j and j + 4 (LANE_PAIR of them). The first pairwise step of every
-# sum over K, (p, p + 4), then happens inside the thread, the other two take one
-# shuffle each, and every thread of the column ends with the whole sum.
-comptime LANE_PAIR = 2
-comptime COLUMN_THREADS = REDUCTION_LANES // LANE_PAIR
-comptime Pair = SIMD[DType.float32, LANE_PAIR]
+# A thread holds COLUMN_VECTOR neighbouring columns of one reduction lane: lane p's
+# key rows p, p + 8, p + 16, ... of four columns, as 16-byte vectors (8-byte in bf16).
+# The eight lanes of a column group are eight neighbouring threads, so each sum over K
+# is one fma chain per column inside the thread, then three butterfly steps across the
+# group, in the fixed order of recurrence_math.mojo.
+comptime COLUMN_VECTOR = 4
+comptime Columns = SIMD[DType.float32, COLUMN_VECTOR]
 
 
 def window_block_threads[COLUMN_TILE: Int]() -> Int:
-    return COLUMN_TILE * COLUMN_THREADS
+    return (COLUMN_TILE // COLUMN_VECTOR) * REDUCTION_LANES
 
 
 @always_inline
-def column_sum(lanes: Pair) -> Float32:
-    """Adds a column's eight lane sums in the fixed order: `lanes` holds lanes j and
-    j + 4 of thread j. IEEE addition commutes, so every thread gets the same bits."""
-    var pairs = lanes[0] + lanes[1]  # (p, p + 4)
-    var quads = pairs + shuffle_xor(pairs, UInt32(2))  # (p, p + 2)
-    return quads + shuffle_xor(quads, UInt32(1))  # (p, p + 1)
+def column_slot(lane: Int) -> Int:
+    """The column of its group whose whole sum lane `lane` ends with (see column_sum):
+    bit 2 of the lane picks the half, bit 1 the column in it; lanes p and p ^ 1 agree."""
+    return ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
 
 
 @always_inline
-def lanes_at[
-    VECTORS: Int
-](lanes: Array[SIMD[DType.float32, 4], LANE_PAIR * VECTORS], m: Int) -> Pair:
-    """Element m of a thread's two lanes, each held as VECTORS 16-byte vectors."""
-    return Pair(lanes[m // 4][m % 4], lanes[VECTORS + m // 4][m % 4])
+def column_sum(partial: Columns, lane: Int) -> Float32:
+    """The group's four column sums, scattered: each lane passes on the half of its
+    partial sums that its partner keeps, so three butterfly steps add eight lanes of
+    four columns in the fixed order (p, p + 4), (p, p + 2), (p, p + 1), and lane p ends
+    with the whole sum of column `column_slot(p)`. IEEE addition commutes, so the lanes
+    that share a column get the same bits."""
+    var high = (lane & 4) != 0
+    var keep0 = partial[2] if high else partial[0]
+    var keep1 = partial[3] if high else partial[1]
+    var send0 = partial[0] if high else partial[2]
+    var send1 = partial[1] if high else partial[3]
+    var half0 = keep0 + shuffle_xor(send0, UInt32(4))  # (p, p + 4)
+    var half1 = keep1 + shuffle_xor(send1, UInt32(4))
+    var odd = (lane & 2) != 0
+    var keep = half1 if odd else half0
+    var send = half0 if odd else half1
+    var quad = keep + shuffle_xor(send, UInt32(2))  # (p, p + 2)
+    return quad + shuffle_xor(quad, UInt32(1))  # (p, p + 1)
+
+
+@always_inline
+def gather_columns(mine: Float32, lane: Int) -> Columns:
+    """The four columns' values of the group, from the lanes that hold one each
+    (lane p holds column `column_slot(p)`)."""
+    var odd = (lane & 2) != 0
+    var other = shuffle_xor(mine, UInt32(2))
+    var near0 = other if odd else mine
+    var near1 = mine if odd else other
+    var far0 = shuffle_xor(near0, UInt32(4))
+    var far1 = shuffle_xor(near1, UInt32(4))
+    if (lane & 4) != 0:
+        return Columns(far0, far1, near0, near1)
+    return Columns(near0, near1, far0, far1)
 
 
 @always_inline
 def rounded_to[
     ROWS: Int, //, dtype: DType
-](held: Array[Pair, ROWS]) -> Array[SIMD[dtype, LANE_PAIR], ROWS]:
+](held: Array[Columns, ROWS]) -> Array[SIMD[dtype, COLUMN_VECTOR], ROWS]:
     """The held state in the pool's dtype, as the pool stores it."""
-    var rounded = Array[SIMD[dtype, LANE_PAIR], ROWS](uninitialized=True)
+    var rounded = Array[SIMD[dtype, COLUMN_VECTOR], ROWS](uninitialized=True)
     comptime for m in range(ROWS):
         rounded[m] = held[m].cast[dtype]()
     return rounded^
@@ -154,8 +194,10 @@ def windows_gpu_kernel[
     comptime LANE_MAJOR = lane_major_floats[K]()
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
     comptime assert (
-        window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
-    ), "the window kernel's shared memory exceeds 48 KiB: use a smaller COLUMN_TILE"
+        window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
+        and window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]()
+        + window_tile_bytes[state_dtype, K, COLUMN_TILE]() <= BLOCK_SHARED_MAX
+    ), "the window kernel's shared memory exceeds an SM's: use a smaller COLUMN_TILE"
     var num_value_heads = Int(num_value_heads_i32)
     var num_key_heads = Int(num_key_heads_i32)
     var record_stride = Int(record_stride_i32)
@@ -166,22 +208,48 @@ def windows_gpu_kernel[
     var readout_width = num_value_heads * V
     var row_elements = num_value_heads * K * V
 
-    var tile = Int(block_idx.x) % TILES
-    var value_head = Int(block_idx.x) // TILES
-    var key_head = value_head // group_size
-    var group_slot = value_head % group_size
+    var tile = 0
+    var value_head = 0
+    var key_head = 0
+    var group_slot = 0
     var tid = Int(thread_idx.x)
-    # This thread holds lanes `pair` and `pair + 4` of column `tile_column`.
-    var pair = remainder[COLUMN_THREADS](tid)
-    var tile_column = quotient[COLUMN_THREADS](tid)
-    var tile_start = tile * COLUMN_TILE
-    var column = tile_start + tile_column
+    # This thread holds reduction lane `lane` of columns `column .. column + 3`, and
+    # ends each column sum with the whole sum of column `column + slot`.
+    var lane = 0
+    var tile_column = 0
+    var tile_start = 0
+    var column = 0
+    var slot = 0
+
+    # The block's and thread's coordinates, set again at the start of every request
+    # from an opaque zero: the compiler then cannot hoist the addresses made from them
+    # out of the request loop, where they would be spilled and reloaded behind the
+    # state's stores (a reload that waits for the stores to drain).
+    @always_inline
+    def locate() {mut}:
+        var zero = Int(
+            inlined_assembly["mov.u32 $0, 0;", UInt32, constraints="=r", has_side_effect=True]()
+        )
+        var block = Int(block_idx.x) + zero
+        tid = Int(thread_idx.x) + zero
+        tile = block % TILES
+        value_head = block // TILES
+        key_head = value_head // group_size
+        group_slot = value_head % group_size
+        lane = remainder[REDUCTION_LANES](tid)
+        tile_column = quotient[REDUCTION_LANES](tid) * COLUMN_VECTOR
+        tile_start = tile * COLUMN_TILE
+        column = tile_start + tile_column
+        slot = column_slot(lane)
+
+    locate()
 
     # Shared memory. Records and tokens have two buffers: one being computed on, one
-    # being filled for the next request. The state tile has one: it is moved to
-    # registers before the next request's copies start.
-    var state_tile = stack_allocation[
-        K * PITCH, state_dtype, alignment=16, address_space=AddressSpace.SHARED
+    # being filled for the next request. The state tile has one, in dynamic shared
+    # memory (window_tile_bytes): it is moved to registers before the next request's
+    # copies start.
+    var state_tile = external_memory[
+        Scalar[state_dtype], address_space=AddressSpace.SHARED, alignment=16
     ]()
     comptime RECORD_KEYS = CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0
     comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
@@ -189,7 +257,7 @@ def windows_gpu_kernel[
     var record_keys = shared_floats[2 * RECORD_KEYS + 4]()
     var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
     var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
-    # q and k arrive lane-major (window_gpu_staging.copy_rows_async); the norms
+    # q and k arrive lane-major (window_gpu_staging.copy_lane_major_async); the norms
     # turn q into q / |q| / sqrt(K) in place.
     var token_queries = shared_floats[2 * CHUNK * LANE_MAJOR]()
     var token_keys = shared_floats[2 * CHUNK * LANE_MAJOR]()
@@ -198,6 +266,12 @@ def windows_gpu_kernel[
     var plan_ids = stack_allocation[
         PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
     ]()
+    comptime BULK_TILE = tile_rows_copy_in_bulk[state_dtype, COLUMN_TILE]()
+    var tile_arrived = stack_allocation[
+        1, DType.uint64, alignment=8, address_space=AddressSpace.SHARED
+    ]()
+    # The phase of `tile_arrived` the next staged tile completes.
+    var tile_phase = 0
 
     var requests_per_block = Int(requests_per_block_i32)
     var first = Int(block_idx.y) * requests_per_block
@@ -224,14 +298,44 @@ def windows_gpu_kernel[
     def previous_records_at(plan: RequestPlan) {imm} -> Int:
         return first_record_at[RING_LEN](plan.previous_row, num_key_heads, key_head, record_stride)
 
-    # Starts every copy a request needs first, into buffer `buffer`.
+    # Where the request's state tile starts in the pool.
     @always_inline
-    def start_copies(plan: RequestPlan, buffer: Int) {imm}:
+    def head_state_at(plan: RequestPlan) {imm} -> Int:
+        return plan.row * row_elements + value_head * K * V + tile_start
+
+    # Whether the request's folded state leaves through the staged tile by bulk copies:
+    # each thread then copies the next request's rows in once its own rows have left.
+    @always_inline
+    def stores_through_tile(plan: RequestPlan) {imm} -> Bool:
+        comptime if FOLD_PREVIOUS and BULK_TILE:
+            return plan.runs and plan.accepted > 0 and not plan.commit
+        return False
+
+    # Starts copying a request's state tile into the staged tile.
+    @always_inline
+    def start_tile_copy(plan: RequestPlan) {imm}:
         if plan.runs:
-            copy_state_tile_async[state_dtype, K, V, COLUMN_TILE, THREADS](
-                state_tile, state, plan.row * row_elements + value_head * K * V + tile_start,
-                tid,
-            )
+            var tile_at = head_state_at(plan)
+            comptime if BULK_TILE:
+                if tid == 0:
+                    expect_tile_bytes(
+                        tile_arrived, K * COLUMN_TILE * size_of[state_dtype]()
+                    )
+                copy_state_tile_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
+                    state_tile, state, tile_at, tile_arrived, tid
+                )
+            else:
+                copy_state_tile_async[state_dtype, K, V, COLUMN_TILE, THREADS](
+                    state_tile, state, tile_at, tid
+                )
+
+    # Starts every copy a request needs first, into buffer `buffer`; the state tile's
+    # only when `with_tile`.
+    @always_inline
+    def start_copies(plan: RequestPlan, buffer: Int, with_tile: Bool) {imm}:
+        if plan.runs:
+            if with_tile:
+                start_tile_copy(plan)
             comptime if FOLD_PREVIOUS:
                 if plan.accepted > 0:
                     copy_records_async[K, V, COLUMN_TILE, THREADS](
@@ -253,17 +357,16 @@ def windows_gpu_kernel[
             )
         async_copy_commit_group()
 
-    # The thread's two lanes of vector `row` of a lane-major buffer, as 16-byte loads.
+    # Where the thread's lane of vector `row` of a lane-major buffer starts. A lane's
+    # elements are read four at a time (16-byte loads) right where they are used, not
+    # held: registers go to the state.
     @always_inline
-    def load_lanes(buffer: SharedFloats, row: Int) {imm} -> Array[
-        SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS
-    ]:
-        var lanes = Array[SIMD[DType.float32, 4], LANE_PAIR * LANE_VECTORS](uninitialized=True)
-        comptime for h in range(LANE_PAIR):
-            var at = (row * REDUCTION_LANES + h * COLUMN_THREADS + pair) * LANE_PITCH
-            comptime for j in range(LANE_VECTORS):
-                lanes[h * LANE_VECTORS + j] = buffer.unsafe_load[width=4, alignment=16](at + 4 * j)
-        return lanes^
+    def lane_start(buffer: SharedFloats, row: Int) {imm} -> SharedFloats:
+        return buffer.unsafe_offset((row * REDUCTION_LANES + lane) * LANE_PITCH)
+
+    @always_inline
+    def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
+        return lane_values.unsafe_load[width=4, alignment=16](4 * j)
 
     # Writes vector `row` of the lane-major `keys` to the ring in its natural order.
     @always_inline
@@ -275,9 +378,13 @@ def windows_gpu_kernel[
             ring.unsafe_store[alignment=16](at + vector * 4, four)
 
     load_plans(first)
+    comptime if BULK_TILE:
+        if tid == 0:
+            init_tile_barrier(tile_arrived)
     barrier()
-    start_copies(plan_of(first), 0)
+    start_copies(plan_of(first), 0, True)
     for request in range(first, last):
+        locate()
         var buffer = (request - first) % 2
         var plan = plan_of(request)
         var queries = token_queries.unsafe_offset(buffer * CHUNK * LANE_MAJOR)
@@ -289,32 +396,35 @@ def windows_gpu_kernel[
         # 1. This request's copies have landed, for every thread; the block is done
         #    with the previous request.
         async_copy_wait_all()
+        comptime if BULK_TILE:
+            if plan.runs:
+                wait_tile(tile_arrived, tile_phase)
+                tile_phase ^= 1
         barrier()
-        # held[m][h] is state row m * 8 + pair + 4 * h of the thread's column.
-        var held = Array[Pair, ROWS](fill=0.0)
+        # held[m] is state row m * 8 + lane of the thread's four columns.
+        var held = Array[Columns, ROWS](fill=0.0)
         if plan.runs:
             if first_count > 0:
                 normalise_tokens[K, THREADS](queries, keys, first_count, scalars, tid)
             comptime for m in range(ROWS):
-                comptime for h in range(LANE_PAIR):
-                    held[m][h] = state_tile[
-                        unsafe_offset=(m * REDUCTION_LANES + h * COLUMN_THREADS + pair) * PITCH
-                        + tile_column
-                    ].cast[DType.float32]()
+                held[m] = state_tile.unsafe_load[
+                    width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
+                ]((m * REDUCTION_LANES + lane) * PITCH + tile_column).cast[DType.float32]()
         var next = request + 1
         if next < last and (next - first) % PLAN_SLOTS == 0:
             load_plans(next)  # every thread has read this request's plan
         barrier()  # the state tile is free, the norms are written, the ids are read
 
-        # 2. The next request's copies run while this one computes.
+        # 2. The next request's copies run while this one computes. Its state tile
+        #    waits until this request's folded state has left the staged tile (3.).
         if next < last:
-            start_copies(plan_of(next), 1 - buffer)
+            start_copies(plan_of(next), 1 - buffer, not stores_through_tile(plan))
 
-        # One thread of each column writes its readout.
+        # One lane of each column writes its readout.
         @always_inline
         def store_readout(token: Int, o: Float32) {imm}:
-            if pair == 0:
-                readout[unsafe_offset=token * readout_width + value_head * V + column] = o
+            if (lane & 1) == 0:
+                readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
 
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
@@ -324,18 +434,17 @@ def windows_gpu_kernel[
             continue
         # This thread's first state row; the others are constant offsets from it.
         var state_rows = state.unsafe_offset(
-            plan.row * row_elements + value_head * K * V + pair * V + column
+            plan.row * row_elements + value_head * K * V + lane * V + column
         )
         var changed = plan.end > plan.start
 
         # Writes the held state as the pool's dtype.
         @always_inline
-        def store_state(values: Array[SIMD[state_dtype, LANE_PAIR], ROWS]) {imm}:
+        def store_state(values: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS]) {imm}:
             comptime for m in range(ROWS):
-                comptime for h in range(LANE_PAIR):
-                    state_rows[
-                        unsafe_offset=(m * REDUCTION_LANES + h * COLUMN_THREADS) * V
-                    ] = values[m][h]
+                state_rows.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
+                    m * REDUCTION_LANES * V, values[m]
+                )
 
         # 3. Fold on load: apply the previous step's accepted records, as the fold would.
         comptime if FOLD_PREVIOUS:
@@ -359,16 +468,39 @@ def windows_gpu_kernel[
                         barrier()
                     for t in range(count):
                         var d = rdecays[unsafe_offset=t]
-                        var u = Pair(rdeltas[unsafe_offset=t * COLUMN_TILE + tile_column])
-                        var k_lanes = load_lanes(rkeys, t)
-                        comptime for m in range(ROWS):
-                            held[m] = fma(lanes_at[LANE_VECTORS](k_lanes, m), u, held[m] * d)
+                        var u = rdeltas.unsafe_load[width=COLUMN_VECTOR, alignment=16](
+                            t * COLUMN_TILE + tile_column
+                        )
+                        var k_lane = lane_start(rkeys, t)
+                        comptime for j in range(LANE_VECTORS):
+                            var k4 = lane_vector(k_lane, j)
+                            comptime for e in range(min(4, ROWS - 4 * j)):
+                                held[4 * j + e] = fma(
+                                    Columns(k4[e]), u, held[4 * j + e] * d
+                                )
                 # What a separate fold leaves in the pool, and what a verify reads back.
                 var stored = rounded_to[state_dtype](held)
                 comptime for m in range(ROWS):
                     held[m] = stored[m].cast[DType.float32]()
                 if not plan.commit:
-                    store_state(stored)
+                    comptime if BULK_TILE:
+                        # Back where it was staged from, then out by bulk copies.
+                        comptime for m in range(ROWS):
+                            state_tile.unsafe_store[
+                                alignment=COLUMN_VECTOR * size_of[state_dtype]()
+                            ]((m * REDUCTION_LANES + lane) * PITCH + tile_column, stored[m])
+                        shared_writes_visible_to_bulk_copies()
+                        barrier()
+                        store_tile_rows_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
+                            state, head_state_at(plan), state_tile, tid
+                        )
+                        # A thread's rows of the next tile land where its own bulk copies
+                        # read from, so it waits for those alone, not for the block.
+                        wait_bulk_stores_read()
+                        if next < last:
+                            start_tile_copy(plan_of(next))
+                    else:
+                        store_state(stored)
 
         # 4. The window, WINDOW_CHUNK tokens at a time.
         var record_row_base = (plan.ring_row * num_key_heads + key_head) * RING_LEN
@@ -388,7 +520,7 @@ def windows_gpu_kernel[
                 barrier()
             # The readout sums of token c are finished while token c + 1 computes: their
             # shuffles then overlap its arithmetic instead of stalling the warp.
-            var pending_out = Pair(0.0)
+            var pending_out = Columns(0.0)
             for c in range(count):
                 var token_scalars_c = scalars.unsafe_load[width=TOKEN_SCALARS, alignment=16](
                     c * TOKEN_SCALARS
@@ -396,24 +528,29 @@ def windows_gpu_kernel[
                 var d = token_scalars_c[DECAY_AT]
                 var b = token_scalars_c[BETA_AT]
                 var inv_k = token_scalars_c[INVERSE_KEY_NORM_AT]
-                var k_lanes = load_lanes(keys, c)
-                var previous_o = column_sum(pending_out)
+                var k_lane = lane_start(keys, c)
+                var q_lane = lane_start(queries, c)
+                var previous_o = column_sum(pending_out, lane)
                 # kv = S^T k on the decayed state.
-                var partial = Pair(0.0)
-                comptime for m in range(ROWS):
-                    held[m] = held[m] * d
-                    partial = fma(held[m], lanes_at[LANE_VECTORS](k_lanes, m), partial)
-                var kv = column_sum(partial)
-                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column]
-                # q only now: fewer registers are live during the sum above.
-                var q_lanes = load_lanes(queries, c)
+                var partial = Columns(0.0)
+                comptime for j in range(LANE_VECTORS):
+                    var k4 = lane_vector(k_lane, j)
+                    comptime for e in range(min(4, ROWS - 4 * j)):
+                        held[4 * j + e] = held[4 * j + e] * d
+                        partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+                var kv = column_sum(partial, lane)
+                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column + slot]
                 var error = fma(-kv, inv_k, v)
                 var u = (b * error) * inv_k
+                var u_columns = gather_columns(u, lane)
                 # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
-                var out = Pair(0.0)
-                comptime for m in range(ROWS):
-                    held[m] = fma(lanes_at[LANE_VECTORS](k_lanes, m), Pair(u), held[m])
-                    out = fma(held[m], lanes_at[LANE_VECTORS](q_lanes, m), out)
+                var out = Columns(0.0)
+                comptime for j in range(LANE_VECTORS):
+                    var k4 = lane_vector(k_lane, j)
+                    var q4 = lane_vector(q_lane, j)
+                    comptime for e in range(min(4, ROWS - 4 * j)):
+                        held[4 * j + e] = fma(Columns(k4[e]), u_columns, held[4 * j + e])
+                        out = fma(held[4 * j + e], Columns(q4[e]), out)
                 pending_out = out
                 var t = chunk_start + c
                 if c > 0:
@@ -421,15 +558,15 @@ def windows_gpu_kernel[
                 comptime if RECORD:
                     if not plan.commit:
                         var record = (record_row_base + t - plan.start) * record_stride
-                        if pair == 0:
-                            ring[unsafe_offset=record + delta_offset[K, V](group_slot) + column] = u
+                        if (lane & 1) == 0:
+                            ring[unsafe_offset=record + delta_offset[K, V](group_slot) + column + slot] = u
                         if tile == 0:
                             if tid == 0:
                                 ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
                             if group_slot == 0:
                                 store_raw_key(record + key_offset(), keys, c)
             if count > 0:
-                store_readout(chunk_start + count - 1, column_sum(pending_out))
+                store_readout(chunk_start + count - 1, column_sum(pending_out, lane))
 
         # 5. A forward, or a window too long for the ring, commits the state.
         if plan.commit and changed:

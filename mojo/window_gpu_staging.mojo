@@ -1,10 +1,12 @@
 """What the GPU window kernel stages in shared memory, and how.
 
 A block works through its requests one after another. While it computes one, the
-asynchronous copies (cp.async) for the next are already in flight: that request's
-state tile, its first WINDOW_CHUNK previous records and its first WINDOW_CHUNK
-tokens. The copies go straight from global to shared memory, so they hold no
-registers while they wait; registers stay free for the state being computed on.
+asynchronous copies for the next are already in flight: that request's state tile,
+its first WINDOW_CHUNK previous records and its first WINDOW_CHUNK tokens. The copies
+go straight from global to shared memory, so they hold no registers while they wait;
+registers stay free for the state being computed on. Records and tokens come by
+cp.async; the state tile, where its rows are whole 16-byte units, by bulk copies
+(cp.async.bulk, one per row), as does a folded state on its way back to the pool.
 
 Everything a request needs is decided from its ids and offsets alone (`RequestPlan`),
 so every thread of a block takes the same branches and meets the same barriers.
@@ -14,7 +16,7 @@ from max.gpu.memory import async_copy
 from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
-from std.sys import size_of
+from std.sys import inlined_assembly, size_of
 
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
 from .record_layout import decay_offset, delta_offset, key_offset
@@ -34,6 +36,8 @@ comptime COPY_FLOATS = 4
 comptime BLOCK_SHARED_LIMIT = 48 * 1024
 # Shared memory of one SM of an H100/H200, and what each resident block costs on top.
 comptime SM_SHARED_BYTES = 228 * 1024
+# Shared memory one block may use, static and dynamic together.
+comptime BLOCK_SHARED_MAX = 227 * 1024
 comptime BLOCK_SHARED_RESERVED = 1024
 # Registers of one SM, and the most a thread of the window kernel gets: 168, so 3
 # blocks per SM. At 128 (4 blocks) ptxas spills about 110 bytes per thread, which
@@ -52,9 +56,9 @@ def shared_floats[count: Int]() -> SharedFloats:
 
 
 def state_tile_pitch[state_dtype: DType, COLUMN_TILE: Int]() -> Int:
-    """Elements per staged state row: the tile plus 8 elements (4 below 16 columns, to
-    save room), so that the four rows a warp reads at once fall on different banks."""
-    return COLUMN_TILE + (8 if COLUMN_TILE >= 16 else 4)
+    """Elements per staged state row: the tile plus 16 bytes, so that the eight rows of
+    a column group's lanes, read at once, fall on different banks."""
+    return COLUMN_TILE + 16 // size_of[state_dtype]()
 
 
 def permuted_pitch[K: Int]() -> Int:
@@ -79,10 +83,8 @@ def lane_major_at[K: Int](i: Int) -> Int:
     return remainder[REDUCTION_LANES](i) * permuted_pitch[K]() + quotient[REDUCTION_LANES](i)
 
 
-def window_shared_bytes[
-    state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
-]() -> Int:
-    """Static shared memory of one block of the window kernel."""
+def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
+    """Static shared memory of one block of the window kernel: tokens, records, ids."""
     comptime LANE_MAJOR = lane_major_floats[K]()
     var floats = 3 * 4  # the record buffers' minimum size, when nothing is folded
     if FOLD_PREVIOUS:
@@ -90,8 +92,13 @@ def window_shared_bytes[
     # Two buffers of tokens: q and k lane-major, the tile's values, the scalars.
     floats += 2 * WINDOW_CHUNK * (2 * LANE_MAJOR + COLUMN_TILE + TOKEN_SCALARS)
     floats += PLAN_FIELDS * PLAN_SLOTS  # the requests' ids
-    var tile = K * state_tile_pitch[state_dtype, COLUMN_TILE]() * size_of[state_dtype]()
-    return tile + 4 * floats
+    return 4 * floats
+
+
+def window_tile_bytes[state_dtype: DType, K: Int, COLUMN_TILE: Int]() -> Int:
+    """Dynamic shared memory of one block: the staged state tile (wider tiles than
+    static shared memory's 48 KiB allow)."""
+    return K * state_tile_pitch[state_dtype, COLUMN_TILE]() * size_of[state_dtype]()
 
 
 def window_blocks_per_sm[
@@ -99,7 +106,9 @@ def window_blocks_per_sm[
 ]() -> Int:
     """Blocks an H100/H200 SM holds at once, as its shared memory and THREAD_REGISTERS
     registers per thread allow."""
-    var bytes = window_shared_bytes[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS]()
+    var bytes = window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]() + window_tile_bytes[
+        state_dtype, K, COLUMN_TILE
+    ]()
     var by_shared = SM_SHARED_BYTES // (bytes + BLOCK_SHARED_RESERVED)
     var by_registers = SM_REGISTERS // (THREADS * THREAD_REGISTERS)
     return max(1, min(by_shared, by_registers, 2048 // THREADS))
@@ -470,3 +479,135 @@ def normalise_tokens[
                     var q_scale = inverse * scale
                     comptime for j in range(VECTORS):
                         source.unsafe_store[alignment=16](at + j * COPY_FLOATS, x[j] * q_scale)
+
+
+# The state tile arrives by bulk copies (the tensor memory accelerator): one instruction
+# per tile row instead of one per 16 bytes, and the copy engine, not the block's warps,
+# waits on memory. Their completion is counted in bytes on a shared-memory barrier.
+comptime SharedBarrier = Pointer[UInt64, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+
+
+def tile_rows_copy_in_bulk[state_dtype: DType, COLUMN_TILE: Int]() -> Bool:
+    """Whether a tile row is a whole number of the bulk copies' 16-byte units."""
+    return (COLUMN_TILE * size_of[state_dtype]()) % 16 == 0
+
+
+@always_inline
+def shared_address(pointer: Pointer[_, _, address_space=AddressSpace.SHARED]) -> UInt32:
+    return UInt32(Int(pointer))
+
+
+@always_inline
+def init_tile_barrier(barrier_: SharedBarrier):
+    """One thread readies the barrier for one arrival per phase; a block barrier must
+    follow before anyone uses it."""
+    inlined_assembly[
+        "mbarrier.init.shared::cta.b64 [$0], 1;", NoneType, constraints="r", has_side_effect=True
+    ](shared_address(barrier_))
+    inlined_assembly[
+        "fence.mbarrier_init.release.cluster;", NoneType, constraints="", has_side_effect=True
+    ]()
+
+
+@always_inline
+def expect_tile_bytes(barrier_: SharedBarrier, bytes: Int):
+    """One thread's arrival for this phase, which then also waits for `bytes` bytes."""
+    inlined_assembly[
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        NoneType,
+        constraints="r,r",
+        has_side_effect=True,
+    ](shared_address(barrier_), UInt32(bytes))
+
+
+@always_inline
+def wait_tile(barrier_: SharedBarrier, phase: Int):
+    """Waits until phase `phase` (0 or 1) of the barrier has completed."""
+    while True:
+        var done = inlined_assembly[
+            """{
+            .reg .pred complete;
+            mbarrier.try_wait.parity.shared::cta.b64 complete, [$1], $2;
+            selp.u32 $0, 1, 0, complete;
+            }""",
+            UInt32,
+            constraints="=r,r,r",
+            has_side_effect=True,
+        ](shared_address(barrier_), UInt32(phase))
+        if done != 0:
+            return
+
+
+@always_inline
+def copy_state_tile_bulk[
+    state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    dst: Pointer[Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    state: Pointer[Scalar[state_dtype], ImmutAnyOrigin],
+    base: Int,
+    barrier_: SharedBarrier,
+    tid: Int,
+):
+    """Starts copying the K x COLUMN_TILE state tile at `base` (row stride V) to rows of
+    `state_tile_pitch` elements, one bulk copy per row, counted on `barrier_`."""
+    comptime ROW_BYTES = COLUMN_TILE * size_of[state_dtype]()
+    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
+    for row in range(tid, K, THREADS):
+        inlined_assembly[
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+            NoneType,
+            constraints="r,l,r,r",
+            has_side_effect=True,
+        ](
+            shared_address(dst.unsafe_offset(row * PITCH)),
+            UInt64(Int(state.unsafe_offset(base + row * V))),
+            UInt32(ROW_BYTES),
+            shared_address(barrier_),
+        )
+
+
+# The folded state leaves a block by bulk copies (the tensor memory accelerator) from
+# the staged tile, not by the threads' own stores: a warp hands its state to shared
+# memory and goes on with the window while the copy engine writes the pool.
+
+
+@always_inline
+def shared_writes_visible_to_bulk_copies():
+    """Orders this thread's shared-memory writes before bulk copies that a barrier
+    later lets read them (they read through another memory proxy)."""
+    inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints="", has_side_effect=True]()
+
+
+@always_inline
+def store_tile_rows_bulk[
+    state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    base: Int,
+    tile: Pointer[Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    tid: Int,
+):
+    """Starts writing the staged K x COLUMN_TILE tile (rows of `state_tile_pitch`
+    elements) to the pool at `base` (row stride V): one bulk copy per row, each row
+    issued by one thread, committed as that thread's bulk group."""
+    comptime ROW_BYTES = COLUMN_TILE * size_of[state_dtype]()
+    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
+    comptime assert ROW_BYTES % 16 == 0, "bulk copies move whole 16-byte units"
+    for row in range(tid, K, THREADS):
+        var target = UInt64(Int(state.unsafe_offset(base + row * V)))
+        var source = UInt32(Int(tile.unsafe_offset(row * PITCH)))
+        inlined_assembly[
+            "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+            NoneType,
+            constraints="l,r,r",
+            has_side_effect=True,
+        ](target, source, UInt32(ROW_BYTES))
+    inlined_assembly["cp.async.bulk.commit_group;", NoneType, constraints="", has_side_effect=True]()
+
+
+@always_inline
+def wait_bulk_stores_read():
+    """Waits until this thread's bulk copies have read their shared-memory source."""
+    inlined_assembly[
+        "cp.async.bulk.wait_group.read 0;", NoneType, constraints="", has_side_effect=True
+    ]()

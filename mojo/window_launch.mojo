@@ -7,14 +7,14 @@ On the GPU they are trusted for speed, but the kernel never follows an id out of
 bounds: it skips that request and fills its readout with NaN.
 """
 
-from max.gpu.host import DeviceAttribute, DeviceContext
+from max.gpu.host import DeviceAttribute, DeviceContext, FuncAttribute
 from std.math import ceildiv
 from std.utils import IndexList
 
 from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
 from .window_cpu import windows_cpu
 from .window_gpu import window_block_threads, windows_gpu_kernel
-from .window_gpu_staging import COPY_FLOATS, window_blocks_per_sm
+from .window_gpu_staging import COPY_FLOATS, window_blocks_per_sm, window_tile_bytes
 
 
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
@@ -196,6 +196,7 @@ def run_windows[
             state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE
         ]
         comptime THREADS = window_block_threads[COLUMN_TILE]()
+        comptime TILE_BYTES = window_tile_bytes[state_dtype, K, COLUMN_TILE]()
         var block_columns = num_value_heads * (V // COLUMN_TILE)
         var requests_per_block = REQUESTS_PER_BLOCK
         if requests_per_block == 0:
@@ -214,6 +215,8 @@ def run_windows[
             Int32(record_stride),
             grid_dim=(block_columns, ceildiv(batch, requests_per_block)),
             block_dim=THREADS,
+            shared_mem_bytes=TILE_BYTES,
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(TILE_BYTES)),
         )
     else:
         raise Error(t"unsupported target {target}")

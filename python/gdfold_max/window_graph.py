@@ -18,10 +18,10 @@ VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
 
 #: Value columns one GPU block owns, at most (a multiple of 4 dividing V). A block
-#: stages a K x tile slice of the state in its 48 KiB of static shared memory, so
-#: with K=128 and an fp32 pool 32 columns is the widest tile that leaves room for
-#: the records and tokens of two requests.
-PREFERRED_COLUMN_TILE = 32
+#: stages a K x tile slice of the state in dynamic shared memory; at K=128 and an
+#: fp32 pool, 64 columns (128 threads of 4 columns x 8 reduction lanes) let three
+#: blocks share an SM.
+PREFERRED_COLUMN_TILE = 64
 
 #: ``requests_per_block`` passed to the op when the caller names none: the op then
 #: sizes the grid to the blocks the GPU holds at once and shares the requests out.
@@ -29,11 +29,11 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
 def default_column_tile(value_dim: int, key_dim: int = 128) -> int:
-    """The GPU column tile used when the caller names none: at most 32 columns, fewer
+    """The GPU column tile used when the caller names none: at most 64 columns, fewer
     for K above 128 so that the block's shared memory stays within 48 KiB.
 
     >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
-    (32, 32, 20)
+    (64, 48, 40)
     >>> default_column_tile(256, key_dim=256)
     8
     """

@@ -36,6 +36,13 @@ from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
+from .bulk_copy import (
+    arrive_expecting_bytes,
+    init_barrier,
+    shared_writes_visible_to_bulk_copies,
+    wait_bulk_copies_read,
+    wait_phase,
+)
 from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
 from .recurrence_math import REDUCTION_LANES
 from .window_gpu_staging import (
@@ -60,15 +67,9 @@ from .window_gpu_staging import (
     remainder,
     permuted_pitch,
     RequestPlan,
-    SharedBarrier,
-    shared_writes_visible_to_bulk_copies,
     store_tile_rows_bulk,
-    wait_bulk_stores_read,
     copy_state_tile_bulk,
-    expect_tile_bytes,
-    init_tile_barrier,
     tile_rows_copy_in_bulk,
-    wait_tile,
     plan_request,
     shared_floats,
     state_tile_pitch,
@@ -318,7 +319,7 @@ def windows_gpu_kernel[
             var tile_at = head_state_at(plan)
             comptime if BULK_TILE:
                 if tid == 0:
-                    expect_tile_bytes(
+                    arrive_expecting_bytes(
                         tile_arrived, K * COLUMN_TILE * size_of[state_dtype]()
                     )
                 copy_state_tile_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
@@ -380,7 +381,7 @@ def windows_gpu_kernel[
     load_plans(first)
     comptime if BULK_TILE:
         if tid == 0:
-            init_tile_barrier(tile_arrived)
+            init_barrier(tile_arrived)
     barrier()
     start_copies(plan_of(first), 0, True)
     for request in range(first, last):
@@ -398,7 +399,7 @@ def windows_gpu_kernel[
         async_copy_wait_all()
         comptime if BULK_TILE:
             if plan.runs:
-                wait_tile(tile_arrived, tile_phase)
+                wait_phase(tile_arrived, tile_phase)
                 tile_phase ^= 1
         barrier()
         # held[m] is state row m * 8 + lane of the thread's four columns.
@@ -496,7 +497,7 @@ def windows_gpu_kernel[
                         )
                         # A thread's rows of the next tile land where its own bulk copies
                         # read from, so it waits for those alone, not for the block.
-                        wait_bulk_stores_read()
+                        wait_bulk_copies_read()
                         if next < last:
                             start_tile_copy(plan_of(next))
                     else:

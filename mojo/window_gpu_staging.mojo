@@ -16,8 +16,15 @@ from max.gpu.memory import async_copy
 from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
-from std.sys import inlined_assembly, size_of
+from std.sys import size_of
 
+from .bulk_copy import (
+    BULK_UNIT_BYTES,
+    SharedBarrier,
+    bulk_copy_to_global,
+    bulk_copy_to_shared,
+    commit_bulk_copies,
+)
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
 from .record_layout import decay_offset, delta_offset, key_offset
 
@@ -481,61 +488,13 @@ def normalise_tokens[
                         source.unsafe_store[alignment=16](at + j * COPY_FLOATS, x[j] * q_scale)
 
 
-# The state tile arrives by bulk copies (the tensor memory accelerator): one instruction
-# per tile row instead of one per 16 bytes, and the copy engine, not the block's warps,
-# waits on memory. Their completion is counted in bytes on a shared-memory barrier.
-comptime SharedBarrier = Pointer[UInt64, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+# The state tile arrives by bulk copies (bulk_copy.mojo), one per tile row, and a
+# folded state leaves the staged tile the same way.
 
 
 def tile_rows_copy_in_bulk[state_dtype: DType, COLUMN_TILE: Int]() -> Bool:
     """Whether a tile row is a whole number of the bulk copies' 16-byte units."""
-    return (COLUMN_TILE * size_of[state_dtype]()) % 16 == 0
-
-
-@always_inline
-def shared_address(pointer: Pointer[_, _, address_space=AddressSpace.SHARED]) -> UInt32:
-    return UInt32(Int(pointer))
-
-
-@always_inline
-def init_tile_barrier(barrier_: SharedBarrier):
-    """One thread readies the barrier for one arrival per phase; a block barrier must
-    follow before anyone uses it."""
-    inlined_assembly[
-        "mbarrier.init.shared::cta.b64 [$0], 1;", NoneType, constraints="r", has_side_effect=True
-    ](shared_address(barrier_))
-    inlined_assembly[
-        "fence.mbarrier_init.release.cluster;", NoneType, constraints="", has_side_effect=True
-    ]()
-
-
-@always_inline
-def expect_tile_bytes(barrier_: SharedBarrier, bytes: Int):
-    """One thread's arrival for this phase, which then also waits for `bytes` bytes."""
-    inlined_assembly[
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
-        NoneType,
-        constraints="r,r",
-        has_side_effect=True,
-    ](shared_address(barrier_), UInt32(bytes))
-
-
-@always_inline
-def wait_tile(barrier_: SharedBarrier, phase: Int):
-    """Waits until phase `phase` (0 or 1) of the barrier has completed."""
-    while True:
-        var done = inlined_assembly[
-            """{
-            .reg .pred complete;
-            mbarrier.try_wait.parity.shared::cta.b64 complete, [$1], $2;
-            selp.u32 $0, 1, 0, complete;
-            }""",
-            UInt32,
-            constraints="=r,r,r",
-            has_side_effect=True,
-        ](shared_address(barrier_), UInt32(phase))
-        if done != 0:
-            return
+    return (COLUMN_TILE * size_of[state_dtype]()) % BULK_UNIT_BYTES == 0
 
 
 @always_inline
@@ -549,33 +508,16 @@ def copy_state_tile_bulk[
     tid: Int,
 ):
     """Starts copying the K x COLUMN_TILE state tile at `base` (row stride V) to rows of
-    `state_tile_pitch` elements, one bulk copy per row, counted on `barrier_`."""
-    comptime ROW_BYTES = COLUMN_TILE * size_of[state_dtype]()
+    `state_tile_pitch` elements, one bulk copy per row (thread `tid` copies rows tid,
+    tid + THREADS, ...), counted on `barrier_`."""
     comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
     for row in range(tid, K, THREADS):
-        inlined_assembly[
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-            NoneType,
-            constraints="r,l,r,r",
-            has_side_effect=True,
-        ](
-            shared_address(dst.unsafe_offset(row * PITCH)),
-            UInt64(Int(state.unsafe_offset(base + row * V))),
-            UInt32(ROW_BYTES),
-            shared_address(barrier_),
+        bulk_copy_to_shared(
+            dst.unsafe_offset(row * PITCH),
+            state.unsafe_offset(base + row * V),
+            COLUMN_TILE * size_of[state_dtype](),
+            barrier_,
         )
-
-
-# The folded state leaves a block by bulk copies (the tensor memory accelerator) from
-# the staged tile, not by the threads' own stores: a warp hands its state to shared
-# memory and goes on with the window while the copy engine writes the pool.
-
-
-@always_inline
-def shared_writes_visible_to_bulk_copies():
-    """Orders this thread's shared-memory writes before bulk copies that a barrier
-    later lets read them (they read through another memory proxy)."""
-    inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints="", has_side_effect=True]()
 
 
 @always_inline
@@ -587,27 +529,14 @@ def store_tile_rows_bulk[
     tile: Pointer[Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     tid: Int,
 ):
-    """Starts writing the staged K x COLUMN_TILE tile (rows of `state_tile_pitch`
-    elements) to the pool at `base` (row stride V): one bulk copy per row, each row
-    issued by one thread, committed as that thread's bulk group."""
-    comptime ROW_BYTES = COLUMN_TILE * size_of[state_dtype]()
+    """Starts writing the staged K x COLUMN_TILE tile to the pool at `base` (row stride
+    V): one bulk copy per row, the same rows per thread as copy_state_tile_bulk, closed
+    as one bulk group of the thread."""
     comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
-    comptime assert ROW_BYTES % 16 == 0, "bulk copies move whole 16-byte units"
     for row in range(tid, K, THREADS):
-        var target = UInt64(Int(state.unsafe_offset(base + row * V)))
-        var source = UInt32(Int(tile.unsafe_offset(row * PITCH)))
-        inlined_assembly[
-            "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-            NoneType,
-            constraints="l,r,r",
-            has_side_effect=True,
-        ](target, source, UInt32(ROW_BYTES))
-    inlined_assembly["cp.async.bulk.commit_group;", NoneType, constraints="", has_side_effect=True]()
-
-
-@always_inline
-def wait_bulk_stores_read():
-    """Waits until this thread's bulk copies have read their shared-memory source."""
-    inlined_assembly[
-        "cp.async.bulk.wait_group.read 0;", NoneType, constraints="", has_side_effect=True
-    ]()
+        bulk_copy_to_global(
+            state.unsafe_offset(base + row * V),
+            tile.unsafe_offset(row * PITCH),
+            COLUMN_TILE * size_of[state_dtype](),
+        )
+    commit_bulk_copies()

@@ -1,0 +1,117 @@
+"""Bulk copies between global and shared memory on NVIDIA sm_90 (the tensor memory
+accelerator), written as inline PTX.
+
+A bulk copy moves one contiguous run of 16-byte units with one instruction, and the
+copy engine, not the issuing warp, waits on memory. Copies into shared memory count
+their bytes on a shared-memory barrier (mbarrier), which a thread expects and waits
+on; copies out of shared memory are grouped per thread, and a thread waits for its own
+groups to have read their source before that memory is written again.
+"""
+
+from std.memory import AddressSpace
+from std.sys import inlined_assembly
+
+# A shared-memory barrier: one 8-byte word.
+comptime SharedBarrier = Pointer[UInt64, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+# Bulk copies move whole units of this many bytes, at addresses aligned to it.
+comptime BULK_UNIT_BYTES = 16
+
+
+@always_inline
+def shared_address(pointer: Pointer[_, _, address_space=AddressSpace.SHARED]) -> UInt32:
+    """The 32-bit shared-memory address PTX's shared state space takes."""
+    return UInt32(Int(pointer))
+
+
+@always_inline
+def init_barrier(barrier_: SharedBarrier):
+    """One thread readies the barrier for one arrival per phase; a block barrier must
+    follow before anyone uses it."""
+    inlined_assembly[
+        "mbarrier.init.shared::cta.b64 [$0], 1;", NoneType, constraints="r", has_side_effect=True
+    ](shared_address(barrier_))
+    inlined_assembly[
+        "fence.mbarrier_init.release.cluster;", NoneType, constraints="", has_side_effect=True
+    ]()
+
+
+@always_inline
+def arrive_expecting_bytes(barrier_: SharedBarrier, bytes: Int):
+    """The phase's one arrival, which then also waits for `bytes` bytes of copies. The
+    copies may land before or after it."""
+    inlined_assembly[
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        NoneType,
+        constraints="r,r",
+        has_side_effect=True,
+    ](shared_address(barrier_), UInt32(bytes))
+
+
+@always_inline
+def wait_phase(barrier_: SharedBarrier, phase: Int):
+    """Waits until phase `phase` (0 or 1) of the barrier has completed."""
+    while True:
+        var done = inlined_assembly[
+            """{
+            .reg .pred complete;
+            mbarrier.try_wait.parity.shared::cta.b64 complete, [$1], $2;
+            selp.u32 $0, 1, 0, complete;
+            }""",
+            UInt32,
+            constraints="=r,r,r",
+            has_side_effect=True,
+        ](shared_address(barrier_), UInt32(phase))
+        if done != 0:
+            return
+
+
+@always_inline
+def bulk_copy_to_shared(
+    target: Pointer[_, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    source: Pointer[_, _],
+    bytes: Int,
+    barrier_: SharedBarrier,
+):
+    """Starts copying `bytes` bytes from global memory to shared memory, counted on
+    `barrier_`."""
+    inlined_assembly[
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        NoneType,
+        constraints="r,l,r,r",
+        has_side_effect=True,
+    ](shared_address(target), UInt64(Int(source)), UInt32(bytes), shared_address(barrier_))
+
+
+@always_inline
+def shared_writes_visible_to_bulk_copies():
+    """Orders this thread's shared-memory writes before bulk copies that a barrier
+    later lets read them (they read through another memory proxy)."""
+    inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints="", has_side_effect=True]()
+
+
+@always_inline
+def bulk_copy_to_global(
+    target: Pointer[_, _], source: Pointer[_, _, address_space=AddressSpace.SHARED], bytes: Int
+):
+    """Starts copying `bytes` bytes from shared memory to global memory, in this
+    thread's open bulk group."""
+    inlined_assembly[
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        NoneType,
+        constraints="l,r,r",
+        has_side_effect=True,
+    ](UInt64(Int(target)), shared_address(source), UInt32(bytes))
+
+
+@always_inline
+def commit_bulk_copies():
+    """Closes this thread's open bulk group."""
+    inlined_assembly["cp.async.bulk.commit_group;", NoneType, constraints="", has_side_effect=True]()
+
+
+@always_inline
+def wait_bulk_copies_read():
+    """Waits until this thread's bulk groups have read their shared-memory source."""
+    inlined_assembly[
+        "cp.async.bulk.wait_group.read 0;", NoneType, constraints="", has_side_effect=True
+    ]()

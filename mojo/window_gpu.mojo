@@ -247,8 +247,8 @@ def windows_gpu_kernel[
 
     # Shared memory. Records and tokens have two buffers: one being computed on, one
     # being filled for the next request. The state tile has one, in dynamic shared
-    # memory (window_tile_bytes): it is moved to registers before the next request's
-    # copies start.
+    # memory (window_tile_bytes): it is moved to registers, and a folded state has left
+    # it, before the next request's tile is copied in.
     var state_tile = external_memory[
         Scalar[state_dtype], address_space=AddressSpace.SHARED, alignment=16
     ]()

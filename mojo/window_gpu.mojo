@@ -67,7 +67,7 @@ from .window_gpu_staging import (
     remainder,
     permuted_pitch,
     RequestPlan,
-    store_tile_rows_bulk,
+    store_state_tile_bulk,
     copy_state_tile_bulk,
     tile_rows_copy_in_bulk,
     plan_request,
@@ -492,7 +492,7 @@ def windows_gpu_kernel[
                             ]((m * REDUCTION_LANES + lane) * PITCH + tile_column, stored[m])
                         shared_writes_visible_to_bulk_copies()
                         barrier()
-                        store_tile_rows_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
+                        store_state_tile_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
                             state, head_state_at(plan), state_tile, tid
                         )
                         # A thread's rows of the next tile land where its own bulk copies

@@ -521,7 +521,7 @@ def copy_state_tile_bulk[
 
 
 @always_inline
-def store_tile_rows_bulk[
+def store_state_tile_bulk[
     state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],

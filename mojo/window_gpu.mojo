@@ -16,9 +16,9 @@ Per request, the block
 2. starts the copies for its next request, so that they land while it computes;
 3. folds the previous step's accepted records into the state when asked to (fold on
    load) and writes the folded state back: a decoding step reads and writes each
-   state element once. The folded state goes back into the staged tile and leaves by
-   bulk copies (the copy engine, not the warps, waits on memory); only then does the
-   next request's tile come in, row by row as each row has left;
+   state element once. The folded state goes back into the staged tile and leaves as
+   tensor boxes (the copy engine, not the warps, waits on memory); the next request's
+   tile comes in as soon as the copy engine has read it out;
 4. runs the window token by token, writing the readout and, for a verify, the ring
    records; a forward, or a window longer than the ring, writes the state instead.
    A token's readout sums finish while the next token computes.
@@ -28,6 +28,7 @@ run of requests, so the copies of one request overlap the arithmetic of another.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
+from max.gpu.host.nvidia.tma import TMADescriptor
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
@@ -37,6 +38,7 @@ from std.utils import StaticTuple
 from std.utils.numerics import nan
 
 from .bulk_copy import (
+    SWIZZLE_ALIGNMENT,
     arrive_expecting_bytes,
     init_barrier,
     shared_writes_visible_to_bulk_copies,
@@ -67,12 +69,12 @@ from .window_gpu_staging import (
     remainder,
     permuted_pitch,
     RequestPlan,
-    store_state_tile_bulk,
-    copy_state_tile_bulk,
-    tile_rows_copy_in_bulk,
+    store_state_tile_boxes,
+    copy_state_tile_boxes,
+    staged_at,
+    tile_in_boxes,
     plan_request,
     shared_floats,
-    state_tile_pitch,
     window_blocks_per_sm,
     window_static_bytes,
     window_tile_bytes,
@@ -157,6 +159,8 @@ def rounded_to[
         ]()
     ),
 )
+# The tensor map is read by the copy engine from the kernel's parameters.
+@__llvm_arg_metadata(state_map, `nvvm.grid_constant`)
 def windows_gpu_kernel[
     state_dtype: DType,
     K: Int,
@@ -177,6 +181,7 @@ def windows_gpu_kernel[
     offsets: Pointer[UInt32, ImmutAnyOrigin],
     previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    state_map: TMADescriptor,
     batch_i32: Int32,
     requests_per_block_i32: Int32,
     num_tokens_i32: Int32,
@@ -190,7 +195,6 @@ def windows_gpu_kernel[
     comptime ROWS = K // REDUCTION_LANES
     comptime THREADS = window_block_threads[COLUMN_TILE]()
     comptime CHUNK = WINDOW_CHUNK
-    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
     comptime LANE_PITCH = permuted_pitch[K]()
     comptime LANE_MAJOR = lane_major_floats[K]()
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
@@ -252,6 +256,15 @@ def windows_gpu_kernel[
     var state_tile = external_memory[
         Scalar[state_dtype], address_space=AddressSpace.SHARED, alignment=16
     ]()
+    comptime BOXED_TILE = tile_in_boxes[state_dtype, COLUMN_TILE]()
+    comptime if BOXED_TILE:  # swizzled boxes start on the swizzle's alignment
+        state_tile = state_tile.unsafe_offset(
+            (SWIZZLE_ALIGNMENT - Int(state_tile) % SWIZZLE_ALIGNMENT)
+            % SWIZZLE_ALIGNMENT
+            // size_of[state_dtype]()
+        )
+    # The generic address of the pool's tensor map, for tensor-box copies.
+    var state_map_at = UInt64(Int(Pointer(to=state_map)))
     comptime RECORD_KEYS = CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0
     comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
     comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
@@ -267,7 +280,6 @@ def windows_gpu_kernel[
     var plan_ids = stack_allocation[
         PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
     ]()
-    comptime BULK_TILE = tile_rows_copy_in_bulk[state_dtype, COLUMN_TILE]()
     var tile_arrived = stack_allocation[
         1, DType.uint64, alignment=8, address_space=AddressSpace.SHARED
     ]()
@@ -299,16 +311,21 @@ def windows_gpu_kernel[
     def previous_records_at(plan: RequestPlan) {imm} -> Int:
         return first_record_at[RING_LEN](plan.previous_row, num_key_heads, key_head, record_stride)
 
+    # The first row of the request's head in the pool's [rows * heads * K, V] view.
+    @always_inline
+    def head_row(plan: RequestPlan) {imm} -> Int:
+        return (plan.row * num_value_heads + value_head) * K
+
     # Where the request's state tile starts in the pool.
     @always_inline
     def head_state_at(plan: RequestPlan) {imm} -> Int:
         return plan.row * row_elements + value_head * K * V + tile_start
 
-    # Whether the request's folded state leaves through the staged tile by bulk copies:
-    # each thread then copies the next request's rows in once its own rows have left.
+    # Whether the request's folded state leaves through the staged tile as tensor boxes:
+    # the next request's tile then comes in once they have read it.
     @always_inline
     def stores_through_tile(plan: RequestPlan) {imm} -> Bool:
-        comptime if FOLD_PREVIOUS and BULK_TILE:
+        comptime if FOLD_PREVIOUS and BOXED_TILE:
             return plan.runs and plan.accepted > 0 and not plan.commit
         return False
 
@@ -316,18 +333,17 @@ def windows_gpu_kernel[
     @always_inline
     def start_tile_copy(plan: RequestPlan) {imm}:
         if plan.runs:
-            var tile_at = head_state_at(plan)
-            comptime if BULK_TILE:
+            comptime if BOXED_TILE:
                 if tid == 0:
                     arrive_expecting_bytes(
                         tile_arrived, K * COLUMN_TILE * size_of[state_dtype]()
                     )
-                copy_state_tile_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
-                    state_tile, state, tile_at, tile_arrived, tid
-                )
+                    copy_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+                        state_tile, state_map_at, head_row(plan), tile_start, tile_arrived
+                    )
             else:
                 copy_state_tile_async[state_dtype, K, V, COLUMN_TILE, THREADS](
-                    state_tile, state, tile_at, tid
+                    state_tile, state, head_state_at(plan), tid
                 )
 
     # Starts every copy a request needs first, into buffer `buffer`; the state tile's
@@ -379,7 +395,7 @@ def windows_gpu_kernel[
             ring.unsafe_store[alignment=16](at + vector * 4, four)
 
     load_plans(first)
-    comptime if BULK_TILE:
+    comptime if BOXED_TILE:
         if tid == 0:
             init_barrier(tile_arrived)
     barrier()
@@ -397,7 +413,7 @@ def windows_gpu_kernel[
         # 1. This request's copies have landed, for every thread; the block is done
         #    with the previous request.
         async_copy_wait_all()
-        comptime if BULK_TILE:
+        comptime if BOXED_TILE:
             if plan.runs:
                 wait_phase(tile_arrived, tile_phase)
                 tile_phase ^= 1
@@ -410,7 +426,11 @@ def windows_gpu_kernel[
             comptime for m in range(ROWS):
                 held[m] = state_tile.unsafe_load[
                     width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
-                ]((m * REDUCTION_LANES + lane) * PITCH + tile_column).cast[DType.float32]()
+                ](
+                    staged_at[state_dtype, K, COLUMN_TILE](
+                        m * REDUCTION_LANES + lane, tile_column
+                    )
+                ).cast[DType.float32]()
         var next = request + 1
         if next < last and (next - first) % PLAN_SLOTS == 0:
             load_plans(next)  # every thread has read this request's plan
@@ -484,22 +504,28 @@ def windows_gpu_kernel[
                 comptime for m in range(ROWS):
                     held[m] = stored[m].cast[DType.float32]()
                 if not plan.commit:
-                    comptime if BULK_TILE:
+                    comptime if BOXED_TILE:
                         # Back where it was staged from, then out by bulk copies.
                         comptime for m in range(ROWS):
                             state_tile.unsafe_store[
                                 alignment=COLUMN_VECTOR * size_of[state_dtype]()
-                            ]((m * REDUCTION_LANES + lane) * PITCH + tile_column, stored[m])
+                            ](
+                                staged_at[state_dtype, K, COLUMN_TILE](
+                                    m * REDUCTION_LANES + lane, tile_column
+                                ),
+                                stored[m],
+                            )
                         shared_writes_visible_to_bulk_copies()
                         barrier()
-                        store_state_tile_bulk[state_dtype, K, V, COLUMN_TILE, THREADS](
-                            state, head_state_at(plan), state_tile, tid
-                        )
-                        # A thread's rows of the next tile land where its own bulk copies
-                        # read from, so it waits for those alone, not for the block.
-                        wait_bulk_copies_read()
-                        if next < last:
-                            start_tile_copy(plan_of(next))
+                        # One thread moves the whole tile out, then the next one in
+                        # as soon as the copy engine has read it.
+                        if tid == 0:
+                            store_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+                                state_map_at, head_row(plan), tile_start, state_tile
+                            )
+                            wait_bulk_copies_read()
+                            if next < last:
+                                start_tile_copy(plan_of(next))
                     else:
                         store_state(stored)
 

@@ -20,10 +20,12 @@ from std.sys import size_of
 
 from .bulk_copy import (
     BULK_UNIT_BYTES,
+    SWIZZLE_ALIGNMENT,
+    SWIZZLE_BYTES,
     SharedBarrier,
-    bulk_copy_to_global,
-    bulk_copy_to_shared,
     commit_bulk_copies,
+    tensor_box_to_global,
+    tensor_box_to_shared,
 )
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
 from .record_layout import decay_offset, delta_offset, key_offset
@@ -104,8 +106,38 @@ def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
 
 def window_tile_bytes[state_dtype: DType, K: Int, COLUMN_TILE: Int]() -> Int:
     """Dynamic shared memory of one block: the staged state tile (wider tiles than
-    static shared memory's 48 KiB allow)."""
+    static shared memory's 48 KiB allow). A tile of tensor boxes is dense, with room to
+    start it on the swizzle's alignment."""
+    comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+        return K * COLUMN_TILE * size_of[state_dtype]() + SWIZZLE_ALIGNMENT
     return K * state_tile_pitch[state_dtype, COLUMN_TILE]() * size_of[state_dtype]()
+
+
+def tile_in_boxes[state_dtype: DType, COLUMN_TILE: Int]() -> Bool:
+    """Whether the state tile moves as tensor boxes (bulk_copy.mojo) of 128-byte rows:
+    a tile row is a whole number of them."""
+    return (COLUMN_TILE * size_of[state_dtype]()) % SWIZZLE_BYTES == 0
+
+
+def box_columns[state_dtype: DType]() -> Int:
+    """Columns of one tensor box: one 128-byte swizzle row."""
+    return SWIZZLE_BYTES // size_of[state_dtype]()
+
+
+@always_inline
+def staged_at[state_dtype: DType, K: Int, COLUMN_TILE: Int](row: Int, column: Int) -> Int:
+    """Where element (`row`, `column`) of the state tile sits in the staged tile. Tensor
+    boxes of K x box_columns lie one after another, each swizzled (bulk_copy.mojo);
+    otherwise rows are `state_tile_pitch` elements apart."""
+    comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+        comptime BOX_COLUMNS = box_columns[state_dtype]()
+        comptime UNIT = BULK_UNIT_BYTES // size_of[state_dtype]()  # elements per 16 bytes
+        comptime SPAN_ROWS = SWIZZLE_ALIGNMENT // SWIZZLE_BYTES
+        var box = quotient[BOX_COLUMNS](column)
+        var in_row = remainder[BOX_COLUMNS](column)
+        var unit = quotient[UNIT](in_row) ^ remainder[SPAN_ROWS](row)
+        return (box * K + row) * BOX_COLUMNS + unit * UNIT + remainder[UNIT](in_row)
+    return row * state_tile_pitch[state_dtype, COLUMN_TILE]() + column
 
 
 def window_blocks_per_sm[
@@ -488,55 +520,53 @@ def normalise_tokens[
                         source.unsafe_store[alignment=16](at + j * COPY_FLOATS, x[j] * q_scale)
 
 
-# The state tile arrives by bulk copies (bulk_copy.mojo), one per tile row, and a
-# folded state leaves the staged tile the same way.
-
-
-def tile_rows_copy_in_bulk[state_dtype: DType, COLUMN_TILE: Int]() -> Bool:
-    """Whether a tile row is a whole number of the bulk copies' 16-byte units."""
-    return (COLUMN_TILE * size_of[state_dtype]()) % BULK_UNIT_BYTES == 0
+# A state tile whose rows are whole 128-byte swizzle rows arrives as tensor boxes
+# (bulk_copy.mojo), one instruction of one thread per box, and a folded state leaves the
+# staged tile the same way.
 
 
 @always_inline
-def copy_state_tile_bulk[
-    state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+def copy_state_tile_boxes[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int
 ](
     dst: Pointer[Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    state: Pointer[Scalar[state_dtype], ImmutAnyOrigin],
-    base: Int,
+    state_map: UInt64,
+    head_row: Int,
+    tile_start: Int,
     barrier_: SharedBarrier,
-    tid: Int,
 ):
-    """Starts copying the K x COLUMN_TILE state tile at `base` (row stride V) to rows of
-    `state_tile_pitch` elements, one bulk copy per row (thread `tid` copies rows tid,
-    tid + THREADS, ...), counted on `barrier_`."""
-    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
-    for row in range(tid, K, THREADS):
-        bulk_copy_to_shared(
-            dst.unsafe_offset(row * PITCH),
-            state.unsafe_offset(base + row * V),
-            COLUMN_TILE * size_of[state_dtype](),
+    """Starts copying the K x COLUMN_TILE state tile whose first row is row `head_row`
+    of the pool's [rows * heads * K, V] view (`state_map`) into the staged tile, one
+    tensor box per box_columns columns, counted on `barrier_`. One thread calls it."""
+    comptime BOX_COLUMNS = box_columns[state_dtype]()
+    comptime assert K <= 256, "a tensor box holds at most 256 rows"
+    comptime for box in range(COLUMN_TILE // BOX_COLUMNS):
+        tensor_box_to_shared(
+            dst.unsafe_offset(box * K * BOX_COLUMNS),
+            state_map,
+            tile_start + box * BOX_COLUMNS,
+            head_row,
             barrier_,
         )
 
 
 @always_inline
-def store_state_tile_bulk[
-    state_dtype: DType, K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+def store_state_tile_boxes[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int
 ](
-    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
-    base: Int,
+    state_map: UInt64,
+    head_row: Int,
+    tile_start: Int,
     tile: Pointer[Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    tid: Int,
 ):
-    """Starts writing the staged K x COLUMN_TILE tile to the pool at `base` (row stride
-    V): one bulk copy per row, the same rows per thread as copy_state_tile_bulk, closed
-    as one bulk group of the thread."""
-    comptime PITCH = state_tile_pitch[state_dtype, COLUMN_TILE]()
-    for row in range(tid, K, THREADS):
-        bulk_copy_to_global(
-            state.unsafe_offset(base + row * V),
-            tile.unsafe_offset(row * PITCH),
-            COLUMN_TILE * size_of[state_dtype](),
+    """Starts writing the staged tile back to the pool, the boxes of
+    copy_state_tile_boxes, closed as one bulk group of the calling thread."""
+    comptime BOX_COLUMNS = box_columns[state_dtype]()
+    comptime for box in range(COLUMN_TILE // BOX_COLUMNS):
+        tensor_box_to_global(
+            state_map,
+            tile_start + box * BOX_COLUMNS,
+            head_row,
+            tile.unsafe_offset(box * K * BOX_COLUMNS),
         )
     commit_bulk_copies()

@@ -7,14 +7,21 @@ On the GPU they are trusted for speed, but the kernel never follows an id out of
 bounds: it skips that request and fills its readout with NaN.
 """
 
-from max.gpu.host import DeviceAttribute, DeviceContext, FuncAttribute
+from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, FuncAttribute
+from max.gpu.host.nvidia.tma import TMADescriptor, TensorMapSwizzle, create_tma_descriptor
 from std.math import ceildiv
 from std.utils import IndexList
 
 from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
 from .window_cpu import windows_cpu
 from .window_gpu import window_block_threads, windows_gpu_kernel
-from .window_gpu_staging import COPY_FLOATS, window_blocks_per_sm, window_tile_bytes
+from .window_gpu_staging import (
+    COPY_FLOATS,
+    box_columns,
+    tile_in_boxes,
+    window_blocks_per_sm,
+    window_tile_bytes,
+)
 
 
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
@@ -207,9 +214,22 @@ def run_windows[
             )
             var runs = min(batch, max(1, resident // block_columns))
             requests_per_block = ceildiv(batch, runs)
+        # The pool as [rows * heads * K, V], for tiles that move as tensor boxes.
+        var state_map = TMADescriptor()
+        var head_rows = num_rows * num_value_heads * K
+        comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+            if head_rows > 0:
+                state_map = create_tma_descriptor[
+                    state_dtype, 2, TensorMapSwizzle.SWIZZLE_128B
+                ](
+                    DeviceBuffer[state_dtype](ctx, state, head_rows * V, owning=False),
+                    IndexList[2](head_rows, V),
+                    IndexList[2](V, 1),
+                    IndexList[2](K, box_columns[state_dtype]()),
+                )
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
-            previous_ring_row_ids, previous_accepted,
+            previous_ring_row_ids, previous_accepted, state_map,
             Int32(batch), Int32(requests_per_block), Int32(num_tokens), Int32(num_rows),
             Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
             Int32(record_stride),

@@ -505,7 +505,7 @@ def windows_gpu_kernel[
                     held[m] = stored[m].cast[DType.float32]()
                 if not plan.commit:
                     comptime if BOXED_TILE:
-                        # Back where it was staged from, then out by bulk copies.
+                        # Back where it was staged from, then out as tensor boxes.
                         comptime for m in range(ROWS):
                             state_tile.unsafe_store[
                                 alignment=COLUMN_VECTOR * size_of[state_dtype]()

@@ -5,8 +5,9 @@ asynchronous copies for the next are already in flight: that request's state til
 its first WINDOW_CHUNK previous records and its first WINDOW_CHUNK tokens. The copies
 go straight from global to shared memory, so they hold no registers while they wait;
 registers stay free for the state being computed on. Records and tokens come by
-cp.async; the state tile, where its rows are whole 16-byte units, by bulk copies
-(cp.async.bulk, one per row), as does a folded state on its way back to the pool.
+cp.async; the state tile, where its rows are whole 128-byte swizzle rows, as tensor
+boxes (cp.async.bulk.tensor, one instruction per box), as does a folded state on its
+way back to the pool; other tiles by cp.async.
 
 Everything a request needs is decided from its ids and offsets alone (`RequestPlan`),
 so every thread of a block takes the same branches and meets the same barriers.

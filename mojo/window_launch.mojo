@@ -216,8 +216,8 @@ def run_windows[
             requests_per_block = ceildiv(batch, runs)
         # The pool as [rows * heads * K, V], for tiles that move as tensor boxes.
         var state_map = TMADescriptor()
-        var head_rows = num_rows * num_value_heads * K
         comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+            var head_rows = num_rows * num_value_heads * K
             if head_rows > 0:
                 state_map = create_tma_descriptor[
                     state_dtype, 2, TensorMapSwizzle.SWIZZLE_128B

@@ -29,8 +29,9 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
 def default_column_tile(value_dim: int, key_dim: int = 128) -> int:
-    """The GPU column tile used when the caller names none: at most 64 columns, fewer
-    for K above 128 so that the block's shared memory stays within 48 KiB.
+    """The GPU column tile used when the caller names none: at most 64 columns, and
+    16 or 8 for K above 128 (the widths chosen when the state tile still sat in the
+    block's 48 KiB of static shared memory; not re-timed since it moved to dynamic).
 
     >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
     (64, 48, 40)

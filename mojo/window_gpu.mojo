@@ -10,8 +10,9 @@ are read four elements at a time where they are used, so registers go to the sta
 
 Per request, the block
 1. waits for the asynchronous copies of the request's state tile, first records and
-   first tokens (window_gpu_staging.mojo), computes the tokens' norms once, and
-   moves the state tile to registers (the ids of its requests wait in shared memory,
+   first tokens (window_gpu_staging.mojo), puts q, k and the records' keys in
+   lane-major order and computes the tokens' norms, once, and moves the state tile to
+   registers (the ids of its requests wait in shared memory,
    read a table at a time);
 2. starts the copies for its next request, so that they land while it computes;
 3. folds the previous step's accepted records into the state when asked to (fold on
@@ -62,9 +63,9 @@ from .window_gpu_staging import (
     copy_records_async,
     copy_state_tile_async,
     copy_tokens_async,
-    lane_major_at,
     lane_major_floats,
-    normalise_tokens,
+    natural_pitch,
+    stage_lane_major,
     quotient,
     remainder,
     permuted_pitch,
@@ -265,16 +266,20 @@ def windows_gpu_kernel[
         )
     # The generic address of the pool's tensor map, for tensor-box copies.
     var state_map_at = UInt64(Int(Pointer(to=state_map)))
-    comptime RECORD_KEYS = CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0
+    # Records and tokens land as they are, 16 bytes per copy; q and k, and the records'
+    # keys, are then put in lane-major order once per request (stage_lane_major), where
+    # the norms also turn q into q / |q| / sqrt(K).
+    comptime NATURAL = natural_pitch[K]()
+    comptime ARRIVED_RECORD_KEYS = CHUNK * NATURAL if FOLD_PREVIOUS else 0
     comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
     comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
-    var record_keys = shared_floats[2 * RECORD_KEYS + 4]()
+    var arrived_record_keys = shared_floats[2 * ARRIVED_RECORD_KEYS + 4]()
+    var record_keys = shared_floats[(CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0) + 4]()
     var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
     var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
-    # q and k arrive lane-major (window_gpu_staging.copy_lane_major_async); the norms
-    # turn q into q / |q| / sqrt(K) in place.
-    var token_queries = shared_floats[2 * CHUNK * LANE_MAJOR]()
-    var token_keys = shared_floats[2 * CHUNK * LANE_MAJOR]()
+    var token_pairs = shared_floats[2 * CHUNK * 2 * NATURAL]()
+    var queries = shared_floats[CHUNK * LANE_MAJOR]()
+    var keys = shared_floats[CHUNK * LANE_MAJOR]()
     var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
     var token_scalars = shared_floats[2 * CHUNK * TOKEN_SCALARS]()
     var plan_ids = stack_allocation[
@@ -356,7 +361,7 @@ def windows_gpu_kernel[
             comptime if FOLD_PREVIOUS:
                 if plan.accepted > 0:
                     copy_records_async[K, V, COLUMN_TILE, THREADS](
-                        record_keys.unsafe_offset(buffer * RECORD_KEYS),
+                        arrived_record_keys.unsafe_offset(buffer * ARRIVED_RECORD_KEYS),
                         record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
                         record_decays.unsafe_offset(buffer * RECORD_DECAYS),
                         ring,
@@ -365,8 +370,7 @@ def windows_gpu_kernel[
                         tile_start, tid,
                     )
             copy_tokens_async[K, V, COLUMN_TILE, THREADS](
-                token_queries.unsafe_offset(buffer * CHUNK * LANE_MAJOR),
-                token_keys.unsafe_offset(buffer * CHUNK * LANE_MAJOR),
+                token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL),
                 token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
                 token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS),
                 qkv, decay, beta, plan.start, min(CHUNK, plan.end - plan.start),
@@ -387,12 +391,11 @@ def windows_gpu_kernel[
 
     # Writes vector `row` of the lane-major `keys` to the ring in its natural order.
     @always_inline
-    def store_raw_key(at: Int, keys: SharedFloats, row: Int) {imm}:
+    def store_raw_key(at: Int, arrived_key: SharedFloats) {imm}:
         for vector in range(tid, K // 4, THREADS):
-            var four = SIMD[DType.float32, 4]()
-            comptime for e in range(4):
-                four[e] = keys[unsafe_offset=row * LANE_MAJOR + lane_major_at[K](vector * 4 + e)]
-            ring.unsafe_store[alignment=16](at + vector * 4, four)
+            ring.unsafe_store[alignment=16](
+                at + vector * 4, arrived_key.unsafe_load[width=4, alignment=16](vector * 4)
+            )
 
     load_plans(first)
     comptime if BOXED_TILE:
@@ -404,8 +407,7 @@ def windows_gpu_kernel[
         locate()
         var buffer = (request - first) % 2
         var plan = plan_of(request)
-        var queries = token_queries.unsafe_offset(buffer * CHUNK * LANE_MAJOR)
-        var keys = token_keys.unsafe_offset(buffer * CHUNK * LANE_MAJOR)
+        var pairs = token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
         var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)
         var first_count = min(CHUNK, plan.end - plan.start)
@@ -421,8 +423,15 @@ def windows_gpu_kernel[
         # held[m] is state row m * 8 + lane of the thread's four columns.
         var held = Array[Columns, ROWS](fill=0.0)
         if plan.runs:
-            if first_count > 0:
-                normalise_tokens[K, THREADS](queries, keys, first_count, scalars, tid)
+            var first_records = 0
+            comptime if FOLD_PREVIOUS:
+                first_records = min(CHUNK, plan.accepted)
+            if first_count > 0 or first_records > 0:
+                stage_lane_major[K, THREADS, FOLD_PREVIOUS](
+                    pairs, queries, keys, first_count, scalars,
+                    arrived_record_keys.unsafe_offset(buffer * ARRIVED_RECORD_KEYS),
+                    record_keys, first_records, tid,
+                )
             comptime for m in range(ROWS):
                 held[m] = state_tile.unsafe_load[
                     width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
@@ -472,7 +481,9 @@ def windows_gpu_kernel[
             if plan.accepted > 0:
                 changed = True
                 var record_row = previous_records_at(plan)
-                var rkeys = record_keys.unsafe_offset(buffer * RECORD_KEYS)
+                var arrived_keys = arrived_record_keys.unsafe_offset(
+                    buffer * ARRIVED_RECORD_KEYS
+                )
                 var rdeltas = record_deltas.unsafe_offset(buffer * RECORD_DELTAS)
                 var rdecays = record_decays.unsafe_offset(buffer * RECORD_DECAYS)
                 for chunk_start in range(0, plan.accepted, CHUNK):
@@ -480,19 +491,24 @@ def windows_gpu_kernel[
                     if chunk_start > 0:
                         barrier()  # done with the previous chunk of records
                         copy_records_async[K, V, COLUMN_TILE, THREADS](
-                            rkeys, rdeltas, rdecays, ring,
+                            arrived_keys, rdeltas, rdecays, ring,
                             record_row + chunk_start * record_stride, count, record_stride,
                             group_size, group_slot, tile_start, tid,
                         )
                         async_copy_commit_group()
                         async_copy_wait_all()
                         barrier()
+                        stage_lane_major[K, THREADS, FOLD_PREVIOUS](
+                            pairs, queries, keys, 0, scalars, arrived_keys, record_keys,
+                            count, tid,
+                        )
+                        barrier()
                     for t in range(count):
                         var d = rdecays[unsafe_offset=t]
                         var u = rdeltas.unsafe_load[width=COLUMN_VECTOR, alignment=16](
                             t * COLUMN_TILE + tile_column
                         )
-                        var k_lane = lane_start(rkeys, t)
+                        var k_lane = lane_start(record_keys, t)
                         comptime for j in range(LANE_VECTORS):
                             var k4 = lane_vector(k_lane, j)
                             comptime for e in range(min(4, ROWS - 4 * j)):
@@ -536,14 +552,16 @@ def windows_gpu_kernel[
             if chunk_start > plan.start:
                 barrier()  # done with the previous chunk of tokens and its norms
                 copy_tokens_async[K, V, COLUMN_TILE, THREADS](
-                    queries, keys, values, scalars, qkv, decay, beta, chunk_start,
+                    pairs, values, scalars, qkv, decay, beta, chunk_start,
                     count, num_key_heads, key_head, num_value_heads, value_head,
                     tile_start, tid,
                 )
                 async_copy_commit_group()
                 async_copy_wait_all()
                 barrier()
-                normalise_tokens[K, THREADS](queries, keys, count, scalars, tid)
+                stage_lane_major[K, THREADS, FOLD_PREVIOUS](
+                    pairs, queries, keys, count, scalars, record_keys, record_keys, 0, tid
+                )
                 barrier()
             # The readout sums of token c are finished while token c + 1 computes: their
             # shuffles then overlap its arithmetic instead of stalling the warp.
@@ -591,7 +609,10 @@ def windows_gpu_kernel[
                             if tid == 0:
                                 ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
                             if group_slot == 0:
-                                store_raw_key(record + key_offset(), keys, c)
+                                store_raw_key(
+                                    record + key_offset(),
+                                    pairs.unsafe_offset((2 * c + 1) * NATURAL),
+                                )
             if count > 0:
                 store_readout(chunk_start + count - 1, column_sum(pending_out, lane))
 

@@ -82,25 +82,30 @@ def permuted_pitch[K: Int]() -> Int:
 
 
 def lane_major_floats[K: Int]() -> Int:
-    """Floats of one K-vector in the lane-major layout (see copy_rows_async)."""
+    """Floats of one K-vector in the lane-major layout: lane p's elements p, p + 8, ...
+    together, in the order the lane sums them, `permuted_pitch` floats per lane."""
     return REDUCTION_LANES * permuted_pitch[K]()
 
 
-@always_inline
-def lane_major_at[K: Int](i: Int) -> Int:
-    """Where element i of a K-vector sits in the lane-major layout: with the other
-    elements of reduction lane i % 8, in the order the lane sums them."""
-    return remainder[REDUCTION_LANES](i) * permuted_pitch[K]() + quotient[REDUCTION_LANES](i)
+def natural_pitch[K: Int]() -> Int:
+    """Floats per staged K-vector as it arrives, in its own order: K plus 8, so that
+    the rows that the eight lanes of neighbouring vectors read at once fall on
+    different banks."""
+    return K + 2 * COPY_FLOATS
 
 
 def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
     """Static shared memory of one block of the window kernel: tokens, records, ids."""
     comptime LANE_MAJOR = lane_major_floats[K]()
-    var floats = 3 * 4  # the record buffers' minimum size, when nothing is folded
+    comptime NATURAL = natural_pitch[K]()
+    var floats = 4 * 4  # the four record buffers' minimum size, when nothing is folded
     if FOLD_PREVIOUS:
-        floats += 2 * WINDOW_CHUNK * (LANE_MAJOR + COLUMN_TILE + 1)  # two buffers of records
-    # Two buffers of tokens: q and k lane-major, the tile's values, the scalars.
-    floats += 2 * WINDOW_CHUNK * (2 * LANE_MAJOR + COLUMN_TILE + TOKEN_SCALARS)
+        # Two buffers of records as they arrive, keys lane-major once.
+        floats += 2 * WINDOW_CHUNK * (NATURAL + COLUMN_TILE + 1) + WINDOW_CHUNK * LANE_MAJOR
+    # Two buffers of tokens as they arrive (q and k, the tile's values, the scalars),
+    # q and k lane-major once.
+    floats += 2 * WINDOW_CHUNK * (2 * NATURAL + COLUMN_TILE + TOKEN_SCALARS)
+    floats += WINDOW_CHUNK * 2 * LANE_MAJOR
     floats += PLAN_FIELDS * PLAN_SLOTS  # the requests' ids
     return 4 * floats
 
@@ -273,7 +278,7 @@ def remainder[DIVISOR: Int](index: Int) -> Int:
 
 @always_inline
 def copy_rows_async[
-    ROW_LEN: Int, MAX_ROWS: Int, THREADS: Int, LANE_MAJOR: Bool = False
+    ROW_LEN: Int, MAX_ROWS: Int, THREADS: Int, DST_PITCH: Int = ROW_LEN
 ](
     dst: SharedFloats,
     src: Pointer[Float32, ImmutAnyOrigin],
@@ -282,51 +287,36 @@ def copy_rows_async[
     rows: Int,
     tid: Int,
 ):
-    """Starts copying rows `t < rows` of ROW_LEN floats at `base + t * stride` to
-    consecutive rows of `dst`, spread over the block's threads.
-
-    Plain rows land as they are, 16 bytes per copy. LANE_MAJOR rows (of K floats) land
-    in the lane-major layout (`lane_major_at`), rows of `lane_major_floats[K]()`: a
-    thread of reduction lane p then loads its elements p, p + 8, ... with 16-byte
-    loads. Those go four bytes per copy; a warp reads 32 neighbouring floats and
-    writes 32 banks."""
-    comptime PIECE = 1 if LANE_MAJOR else COPY_FLOATS
-    comptime PIECES = ROW_LEN // PIECE
-    comptime DST_ROW = lane_major_floats[ROW_LEN]() if LANE_MAJOR else ROW_LEN
-
-    @always_inline
-    def placed(t: Int, i: Int) -> Int:
-        comptime if LANE_MAJOR:
-            return t * DST_ROW + lane_major_at[ROW_LEN](i)
-        else:
-            return t * DST_ROW + i
+    """Starts copying rows `t < rows` of ROW_LEN floats at `base + t * stride` to rows
+    DST_PITCH floats apart in `dst`, 16 bytes per copy, spread over the block's threads."""
+    comptime PIECES = ROW_LEN // COPY_FLOATS
 
     comptime if THREADS % PIECES == 0:
         # Whole rows per pass: one source and one target per thread, stepped a row
         # group at a time (offsets hoisted per pass would cost a 64-bit register each).
         comptime ROWS_PER_PASS = THREADS // PIECES
         var t = quotient[PIECES](tid)
-        var i = remainder[PIECES](tid) * PIECE
+        var i = remainder[PIECES](tid) * COPY_FLOATS
         var source = src.unsafe_offset(base + t * stride + i)
-        var target = dst.unsafe_offset(placed(t, i))
+        var target = dst.unsafe_offset(t * DST_PITCH + i)
         comptime for s in range(ceildiv(MAX_ROWS, ROWS_PER_PASS)):
             if t + s * ROWS_PER_PASS < rows:
-                async_copy[4 * PIECE](
+                async_copy[4 * COPY_FLOATS](
                     source.unsafe_address_space_cast[AddressSpace.GLOBAL](),
-                    target.unsafe_offset(s * ROWS_PER_PASS * DST_ROW),
+                    target.unsafe_offset(s * ROWS_PER_PASS * DST_PITCH),
                 )
             source = source.unsafe_offset(ROWS_PER_PASS * stride)
     else:
         comptime for s in range(ceildiv(MAX_ROWS * PIECES, THREADS)):
             var v = tid + s * THREADS
             var t = quotient[PIECES](v)
-            var i = remainder[PIECES](v) * PIECE
+            var i = remainder[PIECES](v) * COPY_FLOATS
             if t < rows:
-                async_copy[4 * PIECE](
+                async_copy[4 * COPY_FLOATS](
                     src.unsafe_offset(base + t * stride + i).unsafe_address_space_cast[
                         AddressSpace.GLOBAL
                     ](),
-                    dst.unsafe_offset(placed(t, i)),
+                    dst.unsafe_offset(t * DST_PITCH + i),
                 )
 
 
@@ -400,9 +390,9 @@ def copy_records_async[
     column: Int,
     tid: Int,
 ):
-    """Starts copying `count` records from `first_record`: the raw keys (lane-major),
-    this tile's delta columns and this head's decays."""
-    copy_rows_async[K, WINDOW_CHUNK, THREADS, LANE_MAJOR=True](
+    """Starts copying `count` records from `first_record`: the raw keys (rows
+    `natural_pitch` apart), this tile's delta columns and this head's decays."""
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, natural_pitch[K]()](
         keys, ring, first_record + key_offset(), record_stride, count, tid
     )
     copy_rows_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
@@ -419,8 +409,7 @@ def copy_records_async[
 def copy_tokens_async[
     K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
 ](
-    queries: SharedFloats,
-    keys: SharedFloats,
+    pairs: SharedFloats,
     values: SharedFloats,
     scalars: SharedFloats,
     qkv: Pointer[Float32, ImmutAnyOrigin],
@@ -435,16 +424,18 @@ def copy_tokens_async[
     column: Int,
     tid: Int,
 ):
-    """Starts copying `count` tokens from `first_token`: q and k of the key head
-    (lane-major), this tile's value columns, and this head's decay and beta into the
-    token's scalars."""
+    """Starts copying `count` tokens from `first_token`: q and k of the key head as
+    token pairs (q, then k, rows `natural_pitch` apart), this tile's value columns, and
+    this head's decay and beta into the token's scalars."""
+    comptime NATURAL = natural_pitch[K]()
     var qkv_width = 2 * num_key_heads * K + num_value_heads * V
     var token = first_token * qkv_width
-    copy_rows_async[K, WINDOW_CHUNK, THREADS, LANE_MAJOR=True](
-        queries, qkv, token + key_head * K, qkv_width, count, tid
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, 2 * NATURAL](
+        pairs, qkv, token + key_head * K, qkv_width, count, tid
     )
-    copy_rows_async[K, WINDOW_CHUNK, THREADS, LANE_MAJOR=True](
-        keys, qkv, token + (num_key_heads + key_head) * K, qkv_width, count, tid
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, 2 * NATURAL](
+        pairs.unsafe_offset(NATURAL), qkv, token + (num_key_heads + key_head) * K, qkv_width,
+        count, tid,
     )
     copy_rows_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
         values, qkv, token + 2 * num_key_heads * K + value_head * V + column,
@@ -472,45 +463,69 @@ def lane_sum(value: Float32) -> Float32:
 
 
 @always_inline
-def normalise_tokens[
-    K: Int, THREADS: Int
+def stage_lane_major[
+    K: Int, THREADS: Int, FOLD_PREVIOUS: Bool
 ](
+    pairs: SharedFloats,
     queries: SharedFloats,
     keys: SharedFloats,
     count: Int,
     scalars: SharedFloats,
+    arrived_record_keys: SharedFloats,
+    record_keys: SharedFloats,
+    record_count: Int,
     tid: Int,
 ):
-    """Norms of the staged tokens' q and k (both lane-major), once per block.
+    """Puts the staged tokens' q and k, and the records' keys, in lane-major order for
+    the token loop and the fold, and computes the tokens' norms, once per block.
 
-    Eight threads share one vector: thread `lane` sums the squares of its lane's
-    elements `lane, lane + 8, ...` in the fixed order, then the group adds its lanes.
-    q is scaled in place to q / |q| / sqrt(K); 1 / |k| goes into the token's scalars.
-    Warps holding no unit skip the work; every thread of a warp that holds one runs
-    the shuffles, and only tokens below `count` are written.
+    A unit of work is one reduction lane of one vector: thread `lane` of a unit group
+    reads elements `lane, lane + 8, ...` as they arrived (`pairs`, `arrived_record_keys`)
+    and writes them together. For q and k it also sums their squares in the fixed order,
+    then the group adds its lanes: q is written as q / |q| / sqrt(K), and 1 / |k| goes
+    into the token's scalars. Warps holding no unit skip the work; every thread of a
+    warp that holds a token unit runs the shuffles, and only tokens below `count` and
+    records below `record_count` are written.
     """
     comptime ROWS = K // REDUCTION_LANES
     comptime VECTORS = ceildiv(ROWS, COPY_FLOATS)
-    comptime UNITS = WINDOW_CHUNK * 2 * REDUCTION_LANES
+    comptime NATURAL = natural_pitch[K]()
+    comptime LANE_PITCH = permuted_pitch[K]()
+    comptime TOKEN_UNITS = WINDOW_CHUNK * 2 * REDUCTION_LANES
+    comptime RECORD_UNITS = WINDOW_CHUNK * REDUCTION_LANES if FOLD_PREVIOUS else 0
+    comptime UNITS = TOKEN_UNITS + RECORD_UNITS
+    comptime assert TOKEN_UNITS % WARP_THREADS == 0, "a warp holds token units or none"
     comptime scale = query_scale[K]()
+
+    @always_inline
+    def gather(source: SharedFloats, lane: Int) -> Array[SIMD[DType.float32, COPY_FLOATS], VECTORS]:
+        var x = Array[SIMD[DType.float32, COPY_FLOATS], VECTORS](fill=0.0)
+        comptime for m in range(ROWS):
+            x[m // COPY_FLOATS][m % COPY_FLOATS] = source[unsafe_offset=m * REDUCTION_LANES + lane]
+        return x^
+
+    @always_inline
+    def place(target: SharedFloats, x: Array[SIMD[DType.float32, COPY_FLOATS], VECTORS]):
+        comptime for j in range(VECTORS):
+            target.unsafe_store[alignment=16](j * COPY_FLOATS, x[j])
+
     comptime for s in range(ceildiv(UNITS, THREADS)):
         var unit = tid + s * THREADS
-        if unit - unit % WARP_THREADS < UNITS:  # the same for the whole warp
+        if unit - unit % WARP_THREADS < TOKEN_UNITS:  # the same for the whole warp
             var lane = remainder[REDUCTION_LANES](unit)
-            var is_key = remainder[2](quotient[REDUCTION_LANES](unit)) == 1
-            var token = min(quotient[2 * REDUCTION_LANES](unit), WINDOW_CHUNK - 1)
-            var source = keys if is_key else queries
-            var at = (token * REDUCTION_LANES + lane) * permuted_pitch[K]()
-            var x = Array[SIMD[DType.float32, COPY_FLOATS], VECTORS](uninitialized=True)
-            comptime for j in range(VECTORS):
-                x[j] = source.unsafe_load[width=COPY_FLOATS, alignment=16](at + j * COPY_FLOATS)
+            var vector = quotient[REDUCTION_LANES](unit)  # token * 2 + (0 for q, 1 for k)
+            var is_key = remainder[2](vector) == 1
+            var token = min(quotient[2](vector), WINDOW_CHUNK - 1)
+            var x = gather(pairs.unsafe_offset(vector * NATURAL), lane)
             var squares = Float32(0.0)
             comptime for m in range(ROWS):
                 var value = x[m // COPY_FLOATS][m % COPY_FLOATS]
                 squares = fma(value, value, squares)
             var inverse = Float32(1.0) / rounded_sqrt(lane_sum(squares) + L2_EPS)
-            if unit < UNITS and quotient[2 * REDUCTION_LANES](unit) < count:
+            if quotient[2](vector) < count:
+                var at = (token * REDUCTION_LANES + lane) * LANE_PITCH
                 if is_key:
+                    place(keys.unsafe_offset(at), x)
                     if lane == 0:
                         scalars[
                             unsafe_offset=token * TOKEN_SCALARS + INVERSE_KEY_NORM_AT
@@ -518,7 +533,15 @@ def normalise_tokens[
                 else:
                     var q_scale = inverse * scale
                     comptime for j in range(VECTORS):
-                        source.unsafe_store[alignment=16](at + j * COPY_FLOATS, x[j] * q_scale)
+                        x[j] = x[j] * q_scale
+                    place(queries.unsafe_offset(at), x)
+        elif unit < UNITS:
+            var record_unit = unit - TOKEN_UNITS
+            var lane = remainder[REDUCTION_LANES](record_unit)
+            var record = quotient[REDUCTION_LANES](record_unit)
+            if record < record_count:
+                var x = gather(arrived_record_keys.unsafe_offset(record * NATURAL), lane)
+                place(record_keys.unsafe_offset((record * REDUCTION_LANES + lane) * LANE_PITCH), x)
 
 
 # A state tile whose rows are whole 128-byte swizzle rows arrives as tensor boxes

@@ -389,7 +389,7 @@ def windows_gpu_kernel[
     def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
         return lane_values.unsafe_load[width=4, alignment=16](4 * j)
 
-    # Writes vector `row` of the lane-major `keys` to the ring in its natural order.
+    # Writes a token's key, as it arrived (natural order), to the ring at `at`.
     @always_inline
     def store_raw_key(at: Int, arrived_key: SharedFloats) {imm}:
         for vector in range(tid, K // 4, THREADS):

@@ -15,7 +15,8 @@ environment (GDFOLD_COLUMN_TILE, GDFOLD_REQUESTS_PER_BLOCK); ``--column-tiles`` 
 folder of ``--kernels`` its own column tile instead, so that kernels whose best tiles
 differ (or one kernel at several tiles) are still timed in one process. ``--layers`` runs that many
 layers per step (default 1), so that the pool outgrows the caches as a whole model's does;
-times are still per layer.
+times are still per layer. Each compile and each round also prints a line on stderr, so a
+run that is cut short still shows what it measured.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+import time
 from pathlib import Path
 
 from max.driver import CPU, Accelerator
@@ -37,6 +40,12 @@ def label(kernels: Path | None) -> str:
     if kernels is None:
         return "installed"
     return kernels.resolve().parent.name if kernels.name == "mojo" else kernels.name
+
+
+def progress(message: str, since: float) -> None:
+    """A line on stderr as each stage ends, so that a run cut short still shows how far
+    it came and what it measured."""
+    print(f"[{time.perf_counter() - since:6.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -57,8 +66,10 @@ def main() -> None:
     session = InferenceSession(devices=[device])
     f32 = DType.float32
     anchor_variant, anchor_name = ("ours", "ours verify+fold") if args.cpu else ("max", "MAX verify+fold")
+    started = time.perf_counter()
     anchor = StepGraphs(session, device, shape, 3, tiling)
     anchor.compile_all([anchor_variant], [f32])
+    progress(f"compiled {anchor_name}", started)
     folders = args.kernels or [None]
     tiles: list[int | None] = [None] * len(folders)
     if args.column_tiles is not None:
@@ -72,16 +83,20 @@ def main() -> None:
     ours = {name: StepGraphs(session, device, shape, 3, tiling if t is None else {**tiling, "column_tile": t},
                              kernels=folder)
             for name, folder, t in zip(names, folders, tiles, strict=True)}
-    for graphs in ours.values():
+    for name, graphs in ours.items():
         graphs.compile_all(["fused"], [f32])
+        progress(f"compiled {name}", started)
     per_layer = 1e6 / args.layers  # seconds per step to microseconds per layer
     for batch in args.batches:
         operands = make_step_operands(device, shape, batch, f32)
         times: dict[str, list[float]] = {name: [] for name in [anchor_name, *ours]}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             for name, graphs in ours.items():
                 times[name].append(graphs.per_step_seconds("fused", f32, operands, 5))
             times[anchor_name].append(anchor.per_step_seconds(anchor_variant, f32, operands, 5))
+            progress(f"batch {batch}, round {round_ + 1}: " + ", ".join(
+                f"{name} {values[-1] * per_layer:.1f}" for name, values in times.items()) + " us per layer",
+                started)
         theirs = statistics.median(times[anchor_name])
         first = statistics.median(times[next(iter(ours))])
         print(f"batch {batch}: microseconds per layer over {args.rounds} rounds", flush=True)

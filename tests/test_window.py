@@ -69,6 +69,14 @@ def test_fold_on_load_equals_fold_then_verify(runner: WindowRunner, device: str,
     assert_same_step(fused, verify_step(reference.verify_ring, case, fold_on_load=True), "fold on load vs reference")
 
 
+def test_fold_on_load_and_windows_longer_than_a_chunk(runner: WindowRunner) -> None:
+    """RING_LEN 8: folds of more records, and recorded windows of more tokens, than a GPU
+    block stages at once (4), including a fold with no window after it."""
+    case = random_window_case(8, windows=[8, 5, 0, 9, 3], previous_num_accepted=[8, 5, 6, 2, 0], ring_len=8)
+    got = verify_step(runner.verify_ring, case, fold_on_load=True)
+    assert_same_step(got, verify_step(reference.verify_ring, case, fold_on_load=True), "fold on load vs reference")
+
+
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_recurrence_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     # Windows longer than a GPU block's token chunk, and an empty one.

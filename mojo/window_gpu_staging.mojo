@@ -483,9 +483,10 @@ def stage_lane_major[
     reads elements `lane, lane + 8, ...` as they arrived (`pairs`, `arrived_record_keys`)
     and writes them together. For q and k it also sums their squares in the fixed order,
     then the group adds its lanes: q is written as q / |q| / sqrt(K), and 1 / |k| goes
-    into the token's scalars. Warps holding no unit skip the work; every thread of a
-    warp that holds a token unit runs the shuffles, and only tokens below `count` and
-    records below `record_count` are written.
+    into the token's scalars. Warps holding no unit skip the work, as do the token
+    warps when `count` is 0; otherwise every thread of a warp that holds a token unit
+    runs the shuffles, and only tokens below `count` and records below `record_count`
+    are written.
     """
     comptime ROWS = K // REDUCTION_LANES
     comptime VECTORS = ceildiv(ROWS, COPY_FLOATS)
@@ -511,7 +512,9 @@ def stage_lane_major[
 
     comptime for s in range(ceildiv(UNITS, THREADS)):
         var unit = tid + s * THREADS
-        if unit - unit % WARP_THREADS < TOKEN_UNITS:  # the same for the whole warp
+        var token_warp = unit - unit % WARP_THREADS < TOKEN_UNITS  # the same for the whole warp
+        # Without tokens (a later chunk of records) there are no norms to compute.
+        if token_warp and count > 0:
             var lane = remainder[REDUCTION_LANES](unit)
             var vector = quotient[REDUCTION_LANES](unit)  # token * 2 + (0 for q, 1 for k)
             var is_key = remainder[2](vector) == 1
@@ -535,7 +538,7 @@ def stage_lane_major[
                     comptime for j in range(VECTORS):
                         x[j] = x[j] * q_scale
                     place(queries.unsafe_offset(at), x)
-        elif unit < UNITS:
+        elif not token_warp and unit < UNITS:
             var record_unit = unit - TOKEN_UNITS
             var lane = remainder[REDUCTION_LANES](record_unit)
             var record = quotient[REDUCTION_LANES](record_unit)

@@ -463,9 +463,7 @@ def windows_gpu_kernel[
         if not plan.runs:
             continue
         # This thread's first state row; the others are constant offsets from it.
-        var state_rows = state.unsafe_offset(
-            plan.row * row_elements + value_head * K * V + lane * V + column
-        )
+        var state_rows = state.unsafe_offset(head_state_at(plan) + lane * V + tile_column)
         var changed = plan.end > plan.start
 
         # Writes the held state as the pool's dtype.

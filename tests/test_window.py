@@ -190,3 +190,17 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
         got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
         want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
         assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+
+
+# The widest heads the ops take, K = V = 256: a GPU thread then holds 32 state rows of
+# four columns, near its 255 registers, and a block's state tile is twice as tall.
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "column_tile"), [("float32", None), ("float32", 16), ("bfloat16", None)])
+def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | None) -> None:
+    runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=2)
+    case = random_window_case(11, num_value_heads=2, num_key_heads=1, key_dim=256, value_dim=256,
+                              state_dtype=state_dtype)
+    for fold_on_load in (True, False):
+        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
+        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
+        assert_same_step(got, want, f"fold_on_load={fold_on_load}")

@@ -28,37 +28,35 @@ PREFERRED_COLUMN_TILE = 64
 AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
-def default_column_tile(value_dim: int, key_dim: int = 128) -> int:
-    """The GPU column tile used when the caller names none: at most 64 columns, and
-    16 or 8 for K above 128 (the widths chosen when the state tile still sat in the
-    block's 48 KiB of static shared memory; not re-timed since it moved to dynamic).
+def default_column_tile(value_dim: int) -> int:
+    """The GPU column tile used when the caller names none: the widest multiple of 4
+    that divides V, up to 64 columns. On an H200 64 was fastest at K = 128 and at
+    K = 256 alike (bench/window-tuning-h200-2026-11-29.txt).
 
     >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
     (64, 48, 40)
-    >>> default_column_tile(256, key_dim=256)
-    8
+    >>> default_column_tile(256)
+    64
     """
-    preferred = PREFERRED_COLUMN_TILE if key_dim <= 128 else 16 if key_dim <= 192 else 8
-    tile = min(preferred, value_dim)
+    tile = min(PREFERRED_COLUMN_TILE, value_dim)
     while value_dim % tile != 0 or tile % 4 != 0:
         tile -= 4
     return tile
 
 
-def _check_column_tile(value_dim: int, key_dim: int, column_tile: int | None) -> int:
-    tile = default_column_tile(value_dim, key_dim) if column_tile is None else column_tile
+def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
+    tile = default_column_tile(value_dim) if column_tile is None else column_tile
     if tile < 4 or tile % 4 != 0 or value_dim % tile != 0:
         raise ValueError(f"column_tile: {tile} must be a multiple of 4 that divides V={value_dim}")
     return tile
 
 
-def gpu_tiling(value_dim: int, key_dim: int, column_tile: int | None,
-               requests_per_block: int | None) -> dict[str, int]:
+def gpu_tiling(value_dim: int, column_tile: int | None, requests_per_block: int | None) -> dict[str, int]:
     """The window ops' GPU parameters, checked (the CPU path ignores them)."""
     if requests_per_block is not None and requests_per_block < 1:
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
-    return {"COLUMN_TILE": _check_column_tile(value_dim, key_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
+    return {"COLUMN_TILE": _check_column_tile(value_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
 
 
 def check_qkv_width(width: int, num_value_heads: int, key_dim: int, value_dim: int,
@@ -198,7 +196,7 @@ def verify_ring(
             "K": parameters["K"],
             "V": value_dim,
             "RING_LEN": parameters["RING_LEN"],
-            **gpu_tiling(value_dim, parameters["K"], column_tile, requests_per_block),
+            **gpu_tiling(value_dim, column_tile, requests_per_block),
         },
     )
     return results[0].tensor
@@ -269,6 +267,6 @@ def recurrence(
             _check_vector("input_row_offsets", input_row_offsets),
         ],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(value_dim, key_dim, column_tile, requests_per_block)},
+        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(value_dim, column_tile, requests_per_block)},
     )
     return results[0].tensor

@@ -178,10 +178,49 @@ def test_graph_build_errors_name_the_argument() -> None:
 def test_gpu_tiling_defaults_and_explicit_values() -> None:
     """Without keywords the op sizes its own grid (0); the tile is 64 columns where V
     allows, whatever K."""
+    from max.dtype import DType
+
     from gdfold_max.window_graph import gpu_tiling
 
-    assert gpu_tiling(128, None, None) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0}
-    assert gpu_tiling(256, None, None) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0}
-    assert gpu_tiling(64, 16, 3) == {"COLUMN_TILE": 16, "REQUESTS_PER_BLOCK": 3}
+    f32 = DType.float32
+    assert gpu_tiling(f32, 128, 128, None, None) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0}
+    assert gpu_tiling(f32, 256, 256, None, None, fold_on_load=True) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0}
+    assert gpu_tiling(f32, 64, 64, 16, 3) == {"COLUMN_TILE": 16, "REQUESTS_PER_BLOCK": 3}
     with pytest.raises(ValueError, match="requests_per_block: -1 must be at least 1"):
-        gpu_tiling(64, None, -1)
+        gpu_tiling(f32, 64, 64, None, -1)
+
+
+@pytest.mark.parametrize(("state_dtype", "key_dim", "column_tile", "fits"), [
+    ("float32", 256, 128, True),  # compiles for sm_90: 254 registers, one block per SM
+    ("float32", 256, 256, False),  # the kernel's compile-time check refuses it
+    ("bfloat16", 256, 256, False),  # the tokens' and records' buffers alone pass 48 KiB
+    ("float32", 128, 256, True),
+])
+def test_column_tile_too_wide_for_an_sm_is_refused_at_graph_build(state_dtype: str, key_dim: int,
+                                                                  column_tile: int, fits: bool) -> None:
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+    from gdfold_max import kernels_path, verify_ring
+
+    gpu, dtype = DeviceRef.GPU(), DType[state_dtype]
+    types = [
+        TensorType(DType.float32, ["T", 2 * key_dim + 256], gpu),
+        TensorType(DType.float32, ["T", 1], gpu),
+        TensorType(DType.float32, ["T", 1], gpu),
+        BufferType(dtype, [3, 1, key_dim, 256], gpu),
+        BufferType(DType.float32, [6, 1, 4, key_dim + 256 + 4], gpu),
+        *[TensorType(DType.uint32, [name], gpu) for name in ("B", "B", "B1", "B", "B")],
+    ]
+    with Graph("tiles", input_types=types, custom_extensions=[kernels_path()]) as graph:
+        qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous_rows, accepted = (
+            x.tensor if isinstance(x.type, TensorType) else x.buffer for x in graph.inputs)
+        build = lambda: verify_ring(qkv, decay, beta, pool, ring, rows, ring_rows, offsets,  # noqa: E731
+                                    previous_ring_row_ids=previous_rows, previous_num_accepted=accepted,
+                                    column_tile=column_tile)
+        if fits:
+            build()
+        else:
+            with pytest.raises(ValueError, match=f"column_tile: {column_tile} columns of a K={key_dim} {state_dtype}"
+                                                 " state need [0-9]+ bytes of shared memory per GPU block"):
+                build()

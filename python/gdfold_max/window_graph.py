@@ -12,6 +12,7 @@ from max.dtype import DType
 from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
 from .graph import _row_table, _shape_text, _static, fold_parameters, pool_dims
+from .window_shared_memory import check_column_tile_fits
 
 VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
@@ -51,12 +52,16 @@ def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
     return tile
 
 
-def gpu_tiling(value_dim: int, column_tile: int | None, requests_per_block: int | None) -> dict[str, int]:
-    """The window ops' GPU parameters, checked (the CPU path ignores them)."""
+def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: int | None,
+               requests_per_block: int | None, *, fold_on_load: bool = False) -> dict[str, int]:
+    """The window ops' GPU parameters, checked (the CPU path ignores them): the tile
+    must divide V and one block's shared memory must fit an SM."""
     if requests_per_block is not None and requests_per_block < 1:
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
-    return {"COLUMN_TILE": _check_column_tile(value_dim, column_tile), "REQUESTS_PER_BLOCK": requests}
+    tile = _check_column_tile(value_dim, column_tile)
+    check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load)
+    return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests}
 
 
 def check_qkv_width(width: int, num_value_heads: int, key_dim: int, value_dim: int,
@@ -179,6 +184,8 @@ def verify_ring(
         _check_vector("input_row_offsets", input_row_offsets),
     ]
     name = VERIFY_OP_NAME
+    tiling = gpu_tiling(recurrent_state.dtype, parameters["K"], value_dim, column_tile, requests_per_block,
+                        fold_on_load=previous_ring_row_ids is not None)
     if (previous_ring_row_ids is None) != (previous_num_accepted is None):
         raise ValueError("previous_ring_row_ids, previous_num_accepted: give both for fold on load, or neither")
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
@@ -196,7 +203,7 @@ def verify_ring(
             "K": parameters["K"],
             "V": value_dim,
             "RING_LEN": parameters["RING_LEN"],
-            **gpu_tiling(value_dim, column_tile, requests_per_block),
+            **tiling,
         },
     )
     return results[0].tensor
@@ -267,6 +274,7 @@ def recurrence(
             _check_vector("input_row_offsets", input_row_offsets),
         ],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(value_dim, column_tile, requests_per_block)},
+        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile,
+                                                                    requests_per_block)},
     )
     return results[0].tensor

@@ -1,0 +1,69 @@
+"""Shared memory of one block of the GPU window kernel, counted as
+``mojo/window_gpu_staging.mojo`` counts it (``window_static_bytes``,
+``window_tile_bytes``), so that a column tile no SM can hold is refused with a clear
+error when the graph is built, not when MAX compiles the kernel.
+
+>>> static_bytes(128, 64, fold_on_load=True), tile_bytes(4, 128, 64)
+(25824, 33792)
+"""
+
+from __future__ import annotations
+
+from max.dtype import DType
+
+# The kernel's constants (mojo/window_gpu_staging.mojo, mojo/recurrence_math.mojo,
+# mojo/bulk_copy.mojo).
+REDUCTION_LANES = 8
+WINDOW_CHUNK = 4
+TOKEN_SCALARS = 4
+COPY_FLOATS = 4
+PLAN_FIELDS = 6
+PLAN_SLOTS = 32
+SWIZZLE_BYTES = 128
+SWIZZLE_ALIGNMENT = 1024
+#: Static shared memory one block may use, and static plus dynamic (H100/H200).
+BLOCK_STATIC_LIMIT = 48 * 1024
+BLOCK_SHARED_MAX = 227 * 1024
+
+
+def _permuted_pitch(key_dim: int) -> int:
+    vectors = -(-(key_dim // REDUCTION_LANES) // COPY_FLOATS)
+    return (vectors + 1 if vectors % 2 == 0 else vectors) * COPY_FLOATS
+
+
+def static_bytes(key_dim: int, column_tile: int, *, fold_on_load: bool) -> int:
+    """Tokens, records and request ids: two buffers as they arrive, one lane-major."""
+    lane_major = REDUCTION_LANES * _permuted_pitch(key_dim)
+    natural = key_dim + 2 * COPY_FLOATS
+    floats = 4 * 4
+    if fold_on_load:
+        floats += 2 * WINDOW_CHUNK * (natural + column_tile + 1) + WINDOW_CHUNK * lane_major
+    floats += 2 * WINDOW_CHUNK * (2 * natural + column_tile + TOKEN_SCALARS)
+    floats += WINDOW_CHUNK * 2 * lane_major
+    floats += PLAN_FIELDS * PLAN_SLOTS
+    return 4 * floats
+
+
+def tile_bytes(state_size: int, key_dim: int, column_tile: int) -> int:
+    """The staged state tile: dense tensor boxes where a tile row is whole 128-byte
+    rows (with room for the swizzle's alignment), else rows padded by 16 bytes."""
+    if column_tile * state_size % SWIZZLE_BYTES == 0:
+        return key_dim * column_tile * state_size + SWIZZLE_ALIGNMENT
+    return key_dim * (column_tile + 16 // state_size) * state_size
+
+
+def check_column_tile_fits(state_dtype: DType, key_dim: int, column_tile: int, *, fold_on_load: bool) -> None:
+    """Raises ``ValueError`` naming ``column_tile`` unless one block fits an SM.
+
+    >>> check_column_tile_fits(DType.float32, 256, 256, fold_on_load=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: column_tile: 256 columns of a K=256 float32 state need 319712 bytes of shared memory ...
+    """
+    fixed = static_bytes(key_dim, column_tile, fold_on_load=fold_on_load)
+    total = fixed + tile_bytes(state_dtype.size_in_bytes, key_dim, column_tile)
+    if fixed > BLOCK_STATIC_LIMIT or total > BLOCK_SHARED_MAX:
+        raise ValueError(
+            f"column_tile: {column_tile} columns of a K={key_dim} {state_dtype.name} state need {total} bytes of"
+            f" shared memory per GPU block, at most {BLOCK_SHARED_MAX} fit: name a narrower tile"
+        )

@@ -2,6 +2,7 @@
 ``mojo/window_gpu_staging.mojo`` counts it (``window_static_bytes``,
 ``window_tile_bytes``), so that a column tile no SM can hold is refused with a clear
 error when the graph is built, not when MAX compiles the kernel.
+tests/test_window_shared_memory.py runs the kernel's own count beside this one.
 
 >>> static_bytes(128, 64, fold_on_load=True), tile_bytes(4, 128, 64)
 (25824, 33792)

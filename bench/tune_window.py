@@ -82,8 +82,8 @@ def main() -> None:
         anchor.compile_all([anchor_variant], [f32])
         progress(f"compiled {anchor_name}", started)
     except Exception as error:  # MAX's kernels do not take every shape
-        progress(f"{anchor_name} does not compile for this shape ({type(error).__name__}): timing ours alone",
-                 started)
+        progress(f"{anchor_name} does not compile for this shape ({type(error).__name__}:"
+                 f" {str(error).splitlines()[0][:160]}): timing ours alone", started)
         anchor = None
     folders = args.kernels or [None]
     tiles: list[int | None] = [None] * len(folders)
@@ -113,8 +113,9 @@ def main() -> None:
                 try:
                     times[anchor_name].append(anchor.per_step_seconds(anchor_variant, f32, operands, 5))
                 except Exception as error:  # MAX's kernels refuse some shapes only when run
-                    progress(f"{anchor_name} does not run for this shape ({type(error).__name__}):"
-                             " timing ours alone", started)
+                    reason = next((line for line in str(error).splitlines() if "unsupported" in line),
+                                  str(error).splitlines()[0])[:160]
+                    progress(f"{anchor_name} does not run for this shape ({reason}): timing ours alone", started)
                     anchor = None
                     del times[anchor_name]
             progress(f"batch {batch}, round {round_ + 1}: " + ", ".join(

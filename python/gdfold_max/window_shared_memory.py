@@ -59,12 +59,18 @@ def check_column_tile_fits(state_dtype: DType, key_dim: int, column_tile: int, *
     >>> check_column_tile_fits(DType.float32, 256, 256, fold_on_load=True)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: column_tile: 256 columns of a K=256 float32 state need 319712 bytes of shared memory ...
+    ValueError: column_tile: 256 columns of a K=256 float32 state need 56544 bytes of static shared memory ...
+    >>> check_column_tile_fits(DType.float32, 192, 256, fold_on_load=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: column_tile: 256 columns of a K=192 float32 state need 244960 bytes of shared memory ...
     """
+    what = f"column_tile: {column_tile} columns of a K={key_dim} {state_dtype.name} state"
     fixed = static_bytes(key_dim, column_tile, fold_on_load=fold_on_load)
+    if fixed > BLOCK_STATIC_LIMIT:
+        raise ValueError(f"{what} need {fixed} bytes of static shared memory per GPU block for the tokens and"
+                         f" records, at most {BLOCK_STATIC_LIMIT}: name a narrower tile")
     total = fixed + tile_bytes(state_dtype.size_in_bytes, key_dim, column_tile)
-    if fixed > BLOCK_STATIC_LIMIT or total > BLOCK_SHARED_MAX:
-        raise ValueError(
-            f"column_tile: {column_tile} columns of a K={key_dim} {state_dtype.name} state need {total} bytes of"
-            f" shared memory per GPU block, at most {BLOCK_SHARED_MAX} fit: name a narrower tile"
-        )
+    if total > BLOCK_SHARED_MAX:
+        raise ValueError(f"{what} need {total} bytes of shared memory per GPU block, at most {BLOCK_SHARED_MAX}"
+                         " fit: name a narrower tile")

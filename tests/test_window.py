@@ -77,6 +77,17 @@ def test_fold_on_load_and_windows_longer_than_a_chunk(runner: WindowRunner) -> N
     assert_same_step(got, verify_step(reference.verify_ring, case, fold_on_load=True), "fold on load vs reference")
 
 
+@pytest.mark.parametrize(("num_value_heads", "num_key_heads"), [(3, 3), (8, 2)])
+def test_other_head_groups_match_reference(runner: WindowRunner, num_value_heads: int, num_key_heads: int) -> None:
+    """One and four value heads per key head (the other cases have two): each head's
+    slot in the group places its delta factors and decays in the shared record."""
+    case = random_window_case(13, num_value_heads=num_value_heads, num_key_heads=num_key_heads)
+    for fold_on_load in (True, False):
+        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
+        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
+        assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+
+
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_recurrence_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     # Windows longer than a GPU block's token chunk, and an empty one.

@@ -45,6 +45,14 @@ def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], 
         assert_bits_equal(a, b, f"{what}: {name}")
 
 
+def assert_verify_matches_reference(runner: WindowRunner, case: WindowCase) -> None:
+    """The verify with fold on load, then without, against the reference, bit for bit."""
+    for fold_on_load in (True, False):
+        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
+        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
+        assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+
+
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     case = random_window_case(1, state_dtype=state_dtype)
@@ -82,10 +90,7 @@ def test_other_head_groups_match_reference(runner: WindowRunner, num_value_heads
     """One and four value heads per key head (the other cases have two): each head's
     slot in the group places its delta factors and decays in the shared record."""
     case = random_window_case(13, num_value_heads=num_value_heads, num_key_heads=num_key_heads)
-    for fold_on_load in (True, False):
-        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
-        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
-        assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+    assert_verify_matches_reference(runner, case)
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES)
@@ -197,10 +202,7 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
     pattern = [4, 0, 1, 6, 2, 3, 4]  # full, empty, short, past RING_LEN (commits), ...
     windows = [pattern[b % len(pattern)] for b in range(batch)]
     case = random_window_case(7, windows=windows, state_dtype=state_dtype, key_dim=128, value_dim=128)
-    for fold_on_load in (True, False):
-        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
-        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
-        assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+    assert_verify_matches_reference(runner, case)
 
 
 # The widest heads the ops take, K = V = 256: a GPU thread then holds 32 state rows of
@@ -211,7 +213,4 @@ def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | Non
     runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=2)
     case = random_window_case(11, num_value_heads=2, num_key_heads=1, key_dim=256, value_dim=256,
                               state_dtype=state_dtype)
-    for fold_on_load in (True, False):
-        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
-        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
-        assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+    assert_verify_matches_reference(runner, case)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from max.dtype import DType
 
-# The kernel's constants (mojo/window_gpu_staging.mojo, mojo/recurrence_math.mojo,
-# mojo/bulk_copy.mojo).
-REDUCTION_LANES = 8
+from .reference import REDUCTION_LANES
+
+# The kernel's constants (mojo/window_gpu_staging.mojo, mojo/bulk_copy.mojo).
 WINDOW_CHUNK = 4
 TOKEN_SCALARS = 4
 COPY_FLOATS = 4

@@ -51,6 +51,12 @@ def progress(message: str, since: float) -> None:
     print(f"[{time.perf_counter() - since:6.0f} s] {message}", file=sys.stderr, flush=True)
 
 
+def refusal(error: Exception) -> str:
+    """Why MAX's ops refused a shape: the line of the error that says so, or its first."""
+    lines = str(error).splitlines() or [type(error).__name__]
+    return next((line for line in lines if "unsupported" in line), lines[0])[:160]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("batches", nargs="*", type=int, default=[64])
@@ -82,8 +88,7 @@ def main() -> None:
         anchor.compile_all([anchor_variant], [f32])
         progress(f"compiled {anchor_name}", started)
     except Exception as error:  # MAX's kernels do not take every shape
-        progress(f"{anchor_name} does not compile for this shape ({type(error).__name__}:"
-                 f" {str(error).splitlines()[0][:160]}): timing ours alone", started)
+        progress(f"{anchor_name} does not compile for this shape ({refusal(error)}): timing ours alone", started)
         anchor = None
     folders = args.kernels or [None]
     tiles: list[int | None] = [None] * len(folders)
@@ -113,9 +118,8 @@ def main() -> None:
                 try:
                     times[anchor_name].append(anchor.per_step_seconds(anchor_variant, f32, operands, 5))
                 except Exception as error:  # MAX's kernels refuse some shapes only when run
-                    reason = next((line for line in str(error).splitlines() if "unsupported" in line),
-                                  str(error).splitlines()[0])[:160]
-                    progress(f"{anchor_name} does not run for this shape ({reason}): timing ours alone", started)
+                    progress(f"{anchor_name} does not run for this shape ({refusal(error)}): timing ours alone",
+                             started)
                     anchor = None
                     del times[anchor_name]
             progress(f"batch {batch}, round {round_ + 1}: " + ", ".join(

@@ -130,3 +130,15 @@ def tensor_box_to_global(
         constraints="l,r,r,r",
         has_side_effect=True,
     ](tensor_map, Int32(column), Int32(row), shared_address(source))
+
+
+@always_inline
+def tensor_box_to_l2(tensor_map: UInt64, column: Int, row: Int):
+    """Asks L2 to fetch the box at (`row`, `column`) of the tensor, ahead of a copy of
+    it; nothing lands in shared memory and nothing waits."""
+    inlined_assembly[
+        "cp.async.bulk.prefetch.tensor.2d.L2.global.tile [$0, {$1, $2}];",
+        NoneType,
+        constraints="l,r,r",
+        has_side_effect=True,
+    ](tensor_map, Int32(column), Int32(row))

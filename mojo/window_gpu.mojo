@@ -14,7 +14,8 @@ Per request, the block
    lane-major order and computes the tokens' norms, once, and moves the state tile to
    registers (the ids of its requests wait in shared memory,
    read a table at a time);
-2. starts the copies for its next request, so that they land while it computes;
+2. starts the copies for its next request, so that they land while it computes,
+   and asks L2 for the next request's state tile;
 3. folds the previous step's accepted records into the state when asked to (fold on
    load) and writes the folded state back: a decoding step reads and writes each
    state element once. The folded state goes back into the staged tile and leaves as
@@ -72,6 +73,7 @@ from .window_gpu_staging import (
     RequestPlan,
     store_state_tile_boxes,
     copy_state_tile_boxes,
+    prefetch_state_tile_boxes,
     staged_at,
     tile_in_boxes,
     plan_request,
@@ -448,7 +450,17 @@ def windows_gpu_kernel[
         # 2. The next request's copies run while this one computes. Its state tile
         #    waits until this request's folded state has left the staged tile (3.).
         if next < last:
-            start_copies(plan_of(next), 1 - buffer, not stores_through_tile(plan))
+            var next_plan = plan_of(next)
+            start_copies(next_plan, 1 - buffer, not stores_through_tile(plan))
+            # Its tile is copied in only after the fold (3.), but L2 can fetch it now,
+            # while the block folds and stores: the copy then finds it there (4.5% off
+            # a layer at batch 64). Fetching the tile after it as well evicts tiles
+            # before their copies reach them, which is slower than no fetch at all.
+            comptime if BOXED_TILE:
+                if tid == 0 and next_plan.runs and stores_through_tile(plan):
+                    prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+                        state_map_at, head_row(next_plan), tile_start
+                    )
 
         # One lane of each column writes its readout.
         @always_inline

@@ -26,6 +26,7 @@ from .bulk_copy import (
     SharedBarrier,
     commit_bulk_copies,
     tensor_box_to_global,
+    tensor_box_to_l2,
     tensor_box_to_shared,
 )
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
@@ -575,6 +576,17 @@ def copy_state_tile_boxes[
             head_row,
             barrier_,
         )
+
+
+@always_inline
+def prefetch_state_tile_boxes[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int
+](state_map: UInt64, head_row: Int, tile_start: Int):
+    """Asks L2 for the boxes that copy_state_tile_boxes will copy for the same tile, so
+    that DRAM serves them before the copy starts. One thread calls it."""
+    comptime BOX_COLUMNS = box_columns[state_dtype]()
+    comptime for box in range(COLUMN_TILE // BOX_COLUMNS):
+        tensor_box_to_l2(state_map, tile_start + box * BOX_COLUMNS, head_row)
 
 
 @always_inline

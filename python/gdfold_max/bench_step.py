@@ -79,8 +79,10 @@ class StepGraphs:
             f"{kernels}|{sorted(self.tiling.items())}".encode()).hexdigest()[:8]
         self._models: dict[tuple[str, DType, int], Model] = {}
 
-    def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType]) -> None:
-        keys = [(v, d, r) for v in variants for d in dtypes for r in (1, self.chain)]
+    def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
+        """Compiles the graphs of one step and, when ``chained``, of ``chain`` steps."""
+        lengths = (1, self.chain) if chained else (1,)
+        keys = [(v, d, r) for v in variants for d in dtypes for r in lengths]
         models = load_in_parallel(self.session, [self._build(*k) for k in keys])
         self._models.update(zip(keys, models, strict=True))
 

@@ -13,22 +13,30 @@ PyTorch is needed for this script only.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
-from max.driver import Accelerator
+from max.driver import Accelerator, Buffer, Device
 from max.dtype import DType
-from max.engine import InferenceSession
+from max.engine import InferenceSession, Model
 from torch.profiler import ProfilerActivity, profile
 
 from gdfold_max.bench import FoldShape
 from gdfold_max.bench_step import VARIANTS, StepGraphs, make_step_operands
 
 
-def kernel_records(run) -> list[dict]:
+def run_once(model: Model, device: Device, operands: list[Buffer]) -> None:
+    model.execute(*operands)
+    device.synchronize()
+
+
+def kernel_records(run: Callable[[], None]) -> list[dict]:
     """The kernels that `run()` launched, in start order (CUPTI's records, times in us)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
@@ -45,7 +53,7 @@ def summarise(variant: str, kernels: list[dict]) -> None:
         return
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     busy = sum(k["dur"] for k in kernels)
-    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in itertools.pairwise(kernels)]
     print(f"\n{variant}: {len(kernels)} kernels, first start to last end {span:.1f} us, "
           f"kernels {busy:.1f} us, between kernels {span - busy:.1f} us")
     if gaps:
@@ -76,11 +84,7 @@ def main() -> None:
     print(f"one step, batch {args.batch}, {args.dtype} pool, {shape.num_layers} layers")
     for variant in args.variants:
         model = graphs.model(variant, state_dtype, 1)
-
-        def run() -> None:
-            model.execute(*operands)
-            device.synchronize()
-
+        run = functools.partial(run_once, model, device, operands)
         for _ in range(3):
             run()
         summarise(variant, kernel_records(run))

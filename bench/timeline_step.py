@@ -42,7 +42,8 @@ def kernel_records(run: Callable[[], None]) -> list[dict]:
         run()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        with open(trace.name) as exported:
+            events = json.load(exported)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     return sorted(kernels, key=lambda e: e["ts"])
 

@@ -454,8 +454,8 @@ def windows_gpu_kernel[
             start_copies(next_plan, 1 - buffer, not stores_through_tile(plan))
             # Its tile is copied in only after the fold (3.), but L2 can fetch it now,
             # while the block folds and stores: the copy then finds it there (4.5% off
-            # a layer at batch 64). Fetching the tile after it as well evicts tiles
-            # before their copies reach them, which is slower than no fetch at all.
+            # a layer at batch 64). Fetching the tile after it instead is slower than
+            # no fetch at all: L2 then seems to drop tiles before their copies come.
             comptime if BOXED_TILE:
                 if tid == 0 and next_plan.runs and stores_through_tile(plan):
                     prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](

@@ -1,0 +1,31 @@
+"""Compiles the GPU window kernel for an H100/H200 (sm_90a) on any machine, no GPU
+needed, and prints the PTX of each instantiation below after a `// window kernel:` line.
+bench/window_registers.sh feeds each to ptxas for its registers and spills, the figures
+that decide how many blocks an SM holds (window_blocks_per_sm).
+
+`_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler: the API this
+tool relies on may move in later versions.
+"""
+
+from max.gpu.host.compile import _compile_code, get_gpu_target
+from mojo.window_gpu import windows_gpu_kernel
+
+
+def emit[state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int]():
+    print(
+        "// window kernel:", state_dtype, "K = V =", K,
+        "fold on load" if FOLD_PREVIOUS else "verify", "tile", COLUMN_TILE,
+    )
+    print(
+        _compile_code[
+            windows_gpu_kernel[state_dtype, K, K, 4, True, FOLD_PREVIOUS, COLUMN_TILE],
+            target=get_gpu_target["sm_90a"](),
+        ]().asm
+    )
+
+
+def main():
+    emit[DType.float32, 128, True, 64]()
+    emit[DType.float32, 128, False, 64]()
+    emit[DType.bfloat16, 128, True, 64]()
+    emit[DType.float32, 256, True, 64]()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Registers and spills of the GPU window kernel, without a GPU:
+#
+#     bash bench/window_registers.sh [MOJO_PACKAGE_DIR]
+#
+# MOJO_PACKAGE_DIR is a folder that holds a copy of mojo/ to check (default: this
+# checkout). Needs the `mojo` of the installed MAX on PATH (or in $MOJO) and ptxas from a
+# CUDA toolkit (or in $PTXAS).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+package_dir=$(cd "${1:-$root}" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"${MOJO:-mojo}" run -I "$package_dir" "$root/bench/window_ptx.mojo" > "$work/all.ptx"
+# One file per instantiation, cut at the marker lines window_ptx.mojo prints.
+awk -v dir="$work" '/^\/\/ window kernel:/ { n++; print > (dir "/" n ".title"); next }
+                    n { print > (dir "/" n ".ptx") }' "$work/all.ptx"
+for title in "$work"/*.title; do
+    ptx=${title%.title}.ptx
+    echo "$(sed 's#^// ##' "$title")"
+    # The entry function comes first in ptxas's report: its spill line, then its registers.
+    "${PTXAS:-ptxas}" -arch=sm_90a -v "$ptx" -o "$work/kernel.cubin" 2>&1 | awk '
+        /spill stores/ && !spills { spills = $0; sub(/^ +/, "", spills) }
+        /Used [0-9]+ registers/ && !used { used = $0; sub(/.*Used/, "Used", used) }
+        END { print "  " used; print "  " spills }'
+done

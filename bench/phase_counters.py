@@ -1,0 +1,185 @@
+"""Where a block of the fused verify spends its time, phase by phase, measured inside the
+kernel with the SM's cycle counter:
+
+    python bench/phase_counters.py [--batch N] [--layers N] [--kernels DIR] [--column-tile T]
+                                   [--requests-per-block R] [--clock-ghz F]
+
+A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) is patched
+in a temporary folder: at the end of each phase of a request (the numbered steps of
+``window_gpu.mojo``) every thread adds the cycles since the last mark to that phase's
+total, and at the end threads 0 and 64 write their totals over the readout of the block's
+first token (so the readout is wrong; the pool and ring are not touched). One step of
+``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool; the last layer's
+blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch, thread 64
+does not: the two columns show what that costs warp 0. The counters cost the kernel
+registers (ptxas: about 50 bytes of spills more than the kernel's own), so the whole is a
+little slower than the kernel timed alone; compare its parts, not its total, with the
+step benchmark.
+
+The patch looks for lines of the kernel by their text and stops with an error naming
+the one it cannot find, so a kernel that has moved on fails loudly instead of measuring
+the wrong spans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from max.driver import CPU, Accelerator
+from max.dtype import DType
+from max.engine import InferenceSession
+
+from gdfold_max.bench import FoldShape
+from gdfold_max.bench_step import StepGraphs, make_step_operands
+
+PHASES = (
+    "waiting for the request's copies, barrier 1",
+    "state tile to registers, norms, barrier 2",
+    "next request's copies issued, L2 prefetch",
+    "fold on load and the folded tile's store",
+    "tokens",
+)
+# Where thread 0's and thread 64's counters land among the block's first readout columns.
+WRITERS = {"thread 0": 0, "thread 64": 8}
+TOTAL_AT, REQUESTS_AT, SM_AT = len(PHASES), len(PHASES) + 1, len(PHASES) + 2
+
+CLOCK = '''
+
+@always_inline
+def clock_cycles() -> UInt32:
+    return inlined_assembly["mov.u32 $0, %clock;", UInt32, constraints="=r", has_side_effect=True]()
+'''
+START = '''    var phase_cycles = SIMD[DType.uint32, 8](0)
+    var kernel_start = clock_cycles()
+    var phase_mark = kernel_start
+
+    @always_inline
+    def end_phase(phase: Int) {mut}:
+        var now = clock_cycles()
+        phase_cycles[phase] += now - phase_mark
+        phase_mark = now
+
+'''
+FINISH = '''
+
+    if tid == 0 or tid == 64:
+        var at = Int(offsets[unsafe_offset=first]) * readout_width + value_head * V + tile_start
+        at += 0 if tid == 0 else 8
+        for phase in range(5):
+            readout[unsafe_offset=at + phase] = Float32(phase_cycles[phase])
+        readout[unsafe_offset=at + 5] = Float32(clock_cycles() - kernel_start)
+        readout[unsafe_offset=at + 6] = Float32(last - first)
+        var sm = inlined_assembly["mov.u32 $0, %smid;", UInt32, constraints="=r", has_side_effect=True]()
+        readout[unsafe_offset=at + 7] = Float32(sm)
+'''
+# (text to find, text to put before it, text to put after it)
+EDITS = (
+    ("\ncomptime COLUMN_VECTOR = 4\n", CLOCK, ""),
+    ("    start_copies(plan_of(first), 0, True)\n", START, ""),
+    ("        # held[m] is state row m * 8 + lane of the thread's four columns.\n", "        end_phase(0)\n", ""),
+    ("        barrier()  # the state tile is free, the norms are written, the ids are read\n", "",
+     "        end_phase(1)\n"),
+    ("        # One lane of each column writes its readout.\n", "        end_phase(2)\n", ""),
+    ("        # 4. The window, WINDOW_CHUNK tokens at a time.\n", "        end_phase(3)\n", ""),
+    ("        # 5. A forward, or a window too long for the ring, commits the state.\n",
+     "        end_phase(4)\n", ""),
+)
+
+
+def patched_kernels(source: Path, into: Path) -> Path:
+    """A copy of the package at ``source`` whose window kernel counts its phases."""
+    target = into / "mojo"
+    shutil.copytree(source, target)
+    kernel = target / "window_gpu.mojo"
+    text = kernel.read_text()
+    for find, before, after in EDITS:
+        if text.count(find) != 1:
+            raise SystemExit(f"window_gpu.mojo: expected one line {find.strip()!r}, found {text.count(find)}")
+        text = text.replace(find, before + find + after)
+    if not text.rstrip().endswith("store_state(rounded_to[state_dtype](held))"):
+        raise SystemExit("window_gpu.mojo: the kernel no longer ends with its commit; cannot append the counters")
+    kernel.write_text(text.rstrip() + "\n" + FINISH)
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--kernels", type=Path, default=Path(__file__).resolve().parents[1] / "mojo")
+    parser.add_argument("--column-tile", type=int, default=64)
+    parser.add_argument("--requests-per-block", type=int, default=None,
+                        help="default: as the op chooses on an H200 (132 SMs, 3 blocks each)")
+    parser.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock, to turn cycles into us")
+    parser.add_argument("--raw", type=Path, help="also write every block's counters here, as CSV")
+    args = parser.parse_args()
+
+    shape = FoldShape(num_layers=args.layers)
+    block_columns = shape.num_value_heads * (shape.value_dim // args.column_tile)
+    requests = args.requests_per_block or math.ceil(args.batch / max(1, min(args.batch, 132 * 3 // block_columns)))
+    tiling = {"column_tile": args.column_tile, "requests_per_block": requests}
+    device = Accelerator()
+    with tempfile.TemporaryDirectory() as scratch:
+        graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2, tiling,
+                            kernels=patched_kernels(args.kernels, Path(scratch)))
+        graphs.compile_all(["fused"], [DType.float32], chained=False)
+    operands = make_step_operands(device, shape, args.batch, DType.float32)
+    model = graphs.model("fused", DType.float32, 1)
+    for _ in range(3):  # the last run's counters are read
+        (readout,) = model.execute(*operands)
+    report(np.asarray(readout.to(CPU()).to_numpy()), shape, requests, args)
+
+
+def report(counters: np.ndarray, shape: FoldShape, requests: int, args: argparse.Namespace) -> None:
+    """Prints the phases' means, the spread of the blocks' times and how the blocks sharing
+    an SM fared, from the readout the patched kernel wrote over."""
+    tokens_per_request = counters.shape[0] // args.batch
+
+    # Block (value head, tile, run of requests) wrote at its first request's first token.
+    blocks = [(head * shape.value_dim + tile * args.column_tile, first * tokens_per_request)
+              for head in range(shape.num_value_heads) for tile in range(shape.value_dim // args.column_tile)
+              for first in range(0, args.batch, requests)]
+    us = 1e-3 / args.clock_ghz
+    print(f"batch {args.batch}, {args.layers} layers (the last one's blocks), tile {args.column_tile},"
+          f" {requests} requests per block, {len(blocks)} blocks; us per block, mean over blocks"
+          f" (cycles at {args.clock_ghz} GHz)")
+    print(f"  {'phase':46s}" + "".join(f" {name:>10s}" for name in WRITERS))
+    for phase, name in [*enumerate(PHASES), (TOTAL_AT, "whole block")]:
+        means = [statistics.fmean(float(counters[row, column + offset + phase]) * us for column, row in blocks)
+                 for offset in WRITERS.values()]
+        print(f"  {name:46s}" + "".join(f" {mean:10.2f}" for mean in means))
+    # Thread 0's counters, one row per block.
+    table = np.array([counters[row, column:column + SM_AT + 1] for column, row in blocks], dtype=np.float64)
+    if args.raw:
+        header = ",".join(["value_column", "first_token", *PHASES, "whole block", "requests", "sm"])
+        rows = np.column_stack([np.array(blocks, dtype=np.float64), table[:, :TOTAL_AT + 1] * us,
+                                table[:, REQUESTS_AT:]])
+        np.savetxt(args.raw, rows, delimiter=",", header=header, comments="", fmt="%.3f")
+    whole = table[:, TOTAL_AT] * us
+    for count in sorted(set(table[:, REQUESTS_AT])):
+        mine = np.sort(whole[table[:, REQUESTS_AT] == count])
+        print(f"blocks of {count:.0f} requests: {len(mine)}, whole block us: min {mine[0]:.1f}, median"
+              f" {np.median(mine):.1f}, 90th percentile {np.percentile(mine, 90):.1f}, max {mine[-1]:.1f}")
+    # Blocks are launched run by run (a run: the same requests for every head and tile).
+    firsts = np.array([row for _, row in blocks]) // tokens_per_request
+    print("whole block us by run of requests (launch order): " + ", ".join(
+        f"{first}: {np.median(whole[firsts == first]):.1f}" for first in sorted(set(firsts.tolist()))))
+    # Blocks that shared an SM: did the SM's load set their time?
+    per_sm: dict[int, list[int]] = {}
+    for index, sm in enumerate(table[:, SM_AT].astype(int)):
+        per_sm.setdefault(int(sm), []).append(index)
+    for resident in sorted({len(v) for v in per_sm.values()}):
+        members = [i for v in per_sm.values() if len(v) == resident for i in v]
+        per_request = whole[members] / table[members, REQUESTS_AT]
+        print(f"SMs holding {resident} of these blocks: {sum(len(v) == resident for v in per_sm.values())},"
+              f" us per request: median {np.median(per_request):.2f}, max {per_request.max():.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 kernel with the SM's cycle counter:
 
     python bench/phase_counters.py [--batch N] [--layers N] [--kernels DIR] [--column-tile T]
-                                   [--requests-per-block R] [--clock-ghz F]
+                                   [--requests-per-block R] [--clock-ghz F] [--raw CSV]
 
 A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) is patched
 in a temporary folder: at the end of each phase of a request (the numbered steps of
@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock, to turn cycles into us")
     parser.add_argument("--raw", type=Path, help="also write every block's counters here, as CSV")
     args = parser.parse_args()
+    if args.column_tile < 64:
+        parser.error(f"--column-tile: thread 64 and 16 counter columns need 64 or more, got {args.column_tile}")
 
     shape = FoldShape(num_layers=args.layers)
     block_columns = shape.num_value_heads * (shape.value_dim // args.column_tile)

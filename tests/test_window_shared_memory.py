@@ -4,6 +4,7 @@ the Mojo compiler on the host, so that the two cannot drift apart."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -51,7 +52,11 @@ def test_shared_memory_count_matches_the_kernels(tmp_path: Path) -> None:
                      f" window_tile_bytes[DType.{dtype}, {k}, {tile}]())")
     program = tmp_path / "sizes.mojo"
     program.write_text("\n".join(lines) + "\n")
-    run = subprocess.run([_mojo(), "run", "-I", str(tmp_path), str(program)],
+    # Pass the environment as Python holds it, not the process's own: once MAX has run,
+    # the latter can hold PYTHONEXECUTABLE and PYTHONPATH set for MAX's embedded
+    # interpreter (seen under `python -m pytest` from a venv that is not activated), and
+    # the compiler's launcher, a Python script, would then run outside this venv.
+    run = subprocess.run([_mojo(), "run", "-I", str(tmp_path), str(program)], env=dict(os.environ),
                          capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr
     printed = [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines() if line.strip()]

@@ -126,13 +126,13 @@ def main() -> None:
                 f"{name} {values[-1] * per_layer:.1f}" for name, values in times.items()) + " us per layer",
                 started)
         first = statistics.median(times[next(iter(ours))])
-        theirs = statistics.median(times[anchor_name]) if anchor is not None else 0.0
+        theirs = statistics.median(times[anchor_name]) if anchor is not None else None
         print(f"batch {batch}: microseconds per layer over {args.rounds} rounds", flush=True)
         print(f"  {'variant':24s} {'median':>8s} {'best':>8s} {'vs anchor':>9s} {'vs first':>9s}")
         for name, values in times.items():
             median = statistics.median(values)
             # Without an anchor (MAX refused the shape) there is no ratio to show.
-            vs_anchor = f"{theirs / median:8.2f}x" if anchor is not None else f"{'-':>9s}"
+            vs_anchor = f"{theirs / median:8.2f}x" if theirs is not None else f"{'-':>9s}"
             print(f"  {name:24s} {median * per_layer:8.1f} {min(values) * per_layer:8.1f} {vs_anchor}"
                   f" {first / median:8.2f}x", flush=True)
 

@@ -66,8 +66,9 @@ def main() -> None:
     by_samples: Counter[str] = Counter()
     by_executed: Counter[str] = Counter()
     for row, sampled in zip(rows, samples, strict=True):
-        by_samples[opcode(row[column["Source"]])] += sampled
-        by_executed[opcode(row[column["Source"]])] += count(row, EXECUTED)
+        name = opcode(row[column["Source"]])
+        by_samples[name] += sampled
+        by_executed[name] += count(row, EXECUTED)
     print("\nopcode         executed   samples")
     for name, _ in by_samples.most_common(args.top):
         print(f"  {name:10s} {100 * by_executed[name] / executed:7.1f}% {100 * by_samples[name] / total:8.1f}%")

@@ -1,5 +1,5 @@
-"""The verify window and the forward on the GPU: one block per (value head, column
-tile, run of requests) of one layer.
+"""The verify window and the forward on the GPU: blocks that work through units, one
+request on one column tile of one value head each, of one layer.
 
 A head's [K, V] state splits into independent column tiles (kv[j] and the readout
 only ever sum down column j). A thread holds one reduction lane of four neighbouring
@@ -8,28 +8,29 @@ is then one fma chain per column inside the thread and three butterfly steps acr
 the column group's eight lanes, in the fixed order of recurrence_math.mojo; q and k
 are read four elements at a time where they are used, so registers go to the state.
 
-Per request, the block
-1. waits for the asynchronous copies of the request's state tile, first records and
+Per unit, the block
+1. waits for the asynchronous copies of the unit's state tile, first records and
    first tokens (window_gpu_staging.mojo), puts q, k and the records' keys in
    lane-major order and computes the tokens' norms, once, and moves the state tile to
-   registers (the ids of its requests wait in shared memory,
-   read a table at a time);
-2. starts the copies for its next request, so that they land while it computes,
-   and asks L2 for the next request's state tile;
+   registers; meanwhile it reads the next unit's ids and claims the one after;
+2. starts the copies for its next unit, so that they land while it computes, and
+   asks L2 for the next unit's state tile;
 3. folds the previous step's accepted records into the state when asked to (fold on
    load) and writes the folded state back: a decoding step reads and writes each
    state element once. The folded state goes back into the staged tile and leaves as
-   tensor boxes (the copy engine, not the warps, waits on memory); the next request's
+   tensor boxes (the copy engine, not the warps, waits on memory); the next unit's
    tile comes in as soon as the copy engine has read it out;
 4. runs the window token by token, writing the readout and, for a verify, the ring
    records; a forward, or a window longer than the ring, writes the state instead.
    A token's readout sums finish while the next token computes.
 
-The grid holds about as many blocks as the GPU runs at once, each working through a
-run of requests, so the copies of one request overlap the arithmetic of another.
+The grid holds as many blocks as the GPU runs at once. Each starts on the unit of its
+own index and then claims units from a counter until none are left, so the copies of
+one unit overlap the arithmetic of another, and blocks that run faster than others
+(on a less busy SM, with shorter windows) take more units instead of waiting for them.
 """
 
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host.nvidia.tma import TMADescriptor
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all, external_memory
 from max.gpu.primitives.warp import shuffle_xor
@@ -59,7 +60,6 @@ from .window_gpu_staging import (
     PLAN_SLOTS,
     SharedFloats,
     TOKEN_SCALARS,
-    load_plan_ids,
     WINDOW_CHUNK,
     copy_records_async,
     copy_state_tile_async,
@@ -77,6 +77,12 @@ from .window_gpu_staging import (
     staged_at,
     tile_in_boxes,
     plan_request,
+    UnitPlace,
+    claim_unit,
+    place_of,
+    plan_field_reader,
+    read_plan_field,
+    unit_claimer,
     shared_floats,
     window_blocks_per_sm,
     window_static_bytes,
@@ -184,9 +190,9 @@ def windows_gpu_kernel[
     offsets: Pointer[UInt32, ImmutAnyOrigin],
     previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    unit_counter: Pointer[UInt32, MutAnyOrigin],
     state_map: TMADescriptor,
     batch_i32: Int32,
-    requests_per_block_i32: Int32,
     num_tokens_i32: Int32,
     num_rows_i32: Int32,
     num_ring_rows_i32: Int32,
@@ -229,33 +235,31 @@ def windows_gpu_kernel[
     var column = 0
     var slot = 0
 
-    # The block's and thread's coordinates, set again at the start of every request
-    # from an opaque zero: the compiler then cannot hoist the addresses made from them
-    # out of the request loop, where they would be spilled and reloaded behind the
-    # state's stores (a reload that waits for the stores to drain).
+    # The unit's and thread's coordinates, set again at the start of every unit from an
+    # opaque zero: the compiler then cannot hoist the addresses made from them out of
+    # the unit loop, where they would be spilled and reloaded behind the state's stores
+    # (a reload that waits for the stores to drain).
     @always_inline
-    def locate() {mut}:
+    def locate(block_column: Int) {mut}:
         var zero = Int(
             inlined_assembly["mov.u32 $0, 0;", UInt32, constraints="=r", has_side_effect=True]()
         )
-        var block = Int(block_idx.x) + zero
+        var place = place_of[COLUMN_TILE, TILES](block_column + zero, group_size)
         tid = Int(thread_idx.x) + zero
-        tile = block % TILES
-        value_head = block // TILES
-        key_head = value_head // group_size
-        group_slot = value_head % group_size
+        tile = place.tile
+        value_head = place.value_head
+        key_head = place.key_head
+        group_slot = place.group_slot
         lane = remainder[REDUCTION_LANES](tid)
         tile_column = quotient[REDUCTION_LANES](tid) * COLUMN_VECTOR
-        tile_start = tile * COLUMN_TILE
+        tile_start = place.tile_start
         column = tile_start + tile_column
         slot = column_slot(lane)
 
-    locate()
-
     # Shared memory. Records and tokens have two buffers: one being computed on, one
-    # being filled for the next request. The state tile has one, in dynamic shared
+    # being filled for the next unit. The state tile has one, in dynamic shared
     # memory (window_tile_bytes): it is moved to registers, and a folded state has left
-    # it, before the next request's tile is copied in.
+    # it, before the next unit's tile is copied in.
     var state_tile = external_memory[
         Scalar[state_dtype], address_space=AddressSpace.SHARED, alignment=16
     ]()
@@ -269,7 +273,7 @@ def windows_gpu_kernel[
     # The generic address of the pool's tensor map, for tensor-box copies.
     var state_map_at = UInt64(Int(Pointer(to=state_map)))
     # Records and tokens land as they are, 16 bytes per copy; q and k, and the records'
-    # keys, are then put in lane-major order once per request (stage_lane_major), where
+    # keys, are then put in lane-major order once per unit (stage_lane_major), where
     # the norms also turn q into q / |q| / sqrt(K).
     comptime NATURAL = natural_pitch[K]()
     comptime ARRIVED_RECORD_KEYS = CHUNK * NATURAL if FOLD_PREVIOUS else 0
@@ -287,58 +291,88 @@ def windows_gpu_kernel[
     var plan_ids = stack_allocation[
         PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
     ]()
+    # unit_ids[k % 2] holds the block's k-th unit from the moment it is claimed.
+    var unit_ids = stack_allocation[
+        PLAN_SLOTS, DType.uint32, alignment=8, address_space=AddressSpace.SHARED
+    ]()
     var tile_arrived = stack_allocation[
         1, DType.uint64, alignment=8, address_space=AddressSpace.SHARED
     ]()
     # The phase of `tile_arrived` the next staged tile completes.
     var tile_phase = 0
 
-    var requests_per_block = Int(requests_per_block_i32)
-    var first = Int(block_idx.y) * requests_per_block
-    var last = min(first + requests_per_block, Int(batch_i32))
-    if first >= last:
+    # Units of work (window_gpu_staging.mojo): unit u is request u // block_columns on
+    # column block u % block_columns.
+    var block_columns = num_value_heads * TILES
+    var units = Int(batch_i32) * block_columns
+    var unit = Int(block_idx.x)
+    if unit >= units:
         return
-
-    # The ids of requests first + j * PLAN_SLOTS + i sit in slot i, a table at a time.
-    @always_inline
-    def load_plans(from_request: Int) {imm}:
-        load_plan_ids[RECORD, FOLD_PREVIOUS, THREADS](
-            plan_ids, from_request, last, row_ids, ring_row_ids, offsets,
-            previous_ring_row_ids, previous_accepted, tid,
-        )
+    var claimed_from = Int(grid_dim.x)  # units below the grid's size are the blocks' first
+    var field = plan_field_reader[THREADS](tid)
 
     @always_inline
-    def plan_of(request: Int) {imm} -> RequestPlan:
+    def request_of(any_unit: Int) {imm} -> Int:
+        return any_unit // block_columns
+
+    @always_inline
+    def place_of_unit(any_unit: Int) {imm} -> UnitPlace:
+        return place_of[COLUMN_TILE, TILES](any_unit % block_columns, group_size)
+
+    # Reads this thread's field of the ids of `any_unit`'s request (0 when it reads none).
+    @always_inline
+    def read_ids(any_unit: Int) {imm} -> UInt32:
+        if field >= 0 and any_unit < units:
+            return read_plan_field[RECORD, FOLD_PREVIOUS](
+                field, request_of(any_unit), row_ids, ring_row_ids, offsets,
+                previous_ring_row_ids, previous_accepted,
+            )
+        return 0
+
+    @always_inline
+    def write_ids(slot: Int, value: UInt32) {imm}:
+        if field >= 0:
+            plan_ids[unsafe_offset=field * PLAN_SLOTS + slot] = value
+
+    # The block's next unit after the one it has, claimed now.
+    @always_inline
+    def claim() {imm} -> UInt32:
+        return UInt32(claimed_from) + claim_unit(unit_counter)
+
+    @always_inline
+    def plan_of(slot: Int) {imm} -> RequestPlan:
         return plan_request[RING_LEN, RECORD, FOLD_PREVIOUS](
-            plan_ids, (request - first) % PLAN_SLOTS, num_tokens, num_rows, num_ring_rows
+            plan_ids, slot, num_tokens, num_rows, num_ring_rows
         )
 
-    # Where the request's previous records for this key head start in the ring.
+    # Where the request's previous records for the unit's key head start in the ring.
     @always_inline
-    def previous_records_at(plan: RequestPlan) {imm} -> Int:
-        return first_record_at[RING_LEN](plan.previous_row, num_key_heads, key_head, record_stride)
+    def previous_records_at(plan: RequestPlan, place: UnitPlace) {imm} -> Int:
+        return first_record_at[RING_LEN](
+            plan.previous_row, num_key_heads, place.key_head, record_stride
+        )
 
     # The first row of the request's head in the pool's [rows * heads * K, V] view.
     @always_inline
-    def head_row(plan: RequestPlan) {imm} -> Int:
-        return (plan.row * num_value_heads + value_head) * K
+    def head_row(plan: RequestPlan, place: UnitPlace) {imm} -> Int:
+        return (plan.row * num_value_heads + place.value_head) * K
 
-    # Where the request's state tile starts in the pool.
+    # Where the unit's state tile starts in the pool.
     @always_inline
-    def head_state_at(plan: RequestPlan) {imm} -> Int:
-        return plan.row * row_elements + value_head * K * V + tile_start
+    def head_state_at(plan: RequestPlan, place: UnitPlace) {imm} -> Int:
+        return plan.row * row_elements + place.value_head * K * V + place.tile_start
 
     # Whether the request's folded state leaves through the staged tile as tensor boxes:
-    # the next request's tile then comes in once they have read it.
+    # the next unit's tile then comes in once they have read it.
     @always_inline
     def stores_through_tile(plan: RequestPlan) {imm} -> Bool:
         comptime if FOLD_PREVIOUS and BOXED_TILE:
             return plan.runs and plan.accepted > 0 and not plan.commit
         return False
 
-    # Starts copying a request's state tile into the staged tile.
+    # Starts copying a unit's state tile into the staged tile.
     @always_inline
-    def start_tile_copy(plan: RequestPlan) {imm}:
+    def start_tile_copy(plan: RequestPlan, place: UnitPlace) {imm}:
         if plan.runs:
             comptime if BOXED_TILE:
                 if tid == 0:
@@ -346,20 +380,23 @@ def windows_gpu_kernel[
                         tile_arrived, K * COLUMN_TILE * size_of[state_dtype]()
                     )
                     copy_state_tile_boxes[state_dtype, K, COLUMN_TILE](
-                        state_tile, state_map_at, head_row(plan), tile_start, tile_arrived
+                        state_tile, state_map_at, head_row(plan, place), place.tile_start,
+                        tile_arrived,
                     )
             else:
                 copy_state_tile_async[state_dtype, K, V, COLUMN_TILE, THREADS](
-                    state_tile, state, head_state_at(plan), tid
+                    state_tile, state, head_state_at(plan, place), tid
                 )
 
-    # Starts every copy a request needs first, into buffer `buffer`; the state tile's
-    # only when `with_tile`.
+    # Starts every copy a unit needs first, into buffer `buffer`; the state tile's only
+    # when `with_tile`.
     @always_inline
-    def start_copies(plan: RequestPlan, buffer: Int, with_tile: Bool) {imm}:
+    def start_copies(
+        plan: RequestPlan, place: UnitPlace, buffer: Int, with_tile: Bool
+    ) {imm}:
         if plan.runs:
             if with_tile:
-                start_tile_copy(plan)
+                start_tile_copy(plan, place)
             comptime if FOLD_PREVIOUS:
                 if plan.accepted > 0:
                     copy_records_async[K, V, COLUMN_TILE, THREADS](
@@ -367,16 +404,17 @@ def windows_gpu_kernel[
                         record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
                         record_decays.unsafe_offset(buffer * RECORD_DECAYS),
                         ring,
-                        previous_records_at(plan),
-                        min(CHUNK, plan.accepted), record_stride, group_size, group_slot,
-                        tile_start, tid,
+                        previous_records_at(plan, place),
+                        min(CHUNK, plan.accepted), record_stride, group_size,
+                        place.group_slot, place.tile_start, tid,
                     )
             copy_tokens_async[K, V, COLUMN_TILE, THREADS](
                 token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL),
                 token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
                 token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS),
                 qkv, decay, beta, plan.start, min(CHUNK, plan.end - plan.start),
-                num_key_heads, key_head, num_value_heads, value_head, tile_start, tid,
+                num_key_heads, place.key_head, num_value_heads, place.value_head,
+                place.tile_start, tid,
             )
         async_copy_commit_group()
 
@@ -399,23 +437,37 @@ def windows_gpu_kernel[
                 at + vector * 4, arrived_key.unsafe_load[width=4, alignment=16](vector * 4)
             )
 
-    load_plans(first)
+    # The first unit's ids, and the claim of the second.
+    write_ids(0, read_ids(unit))
+    if tid == unit_claimer[THREADS]():
+        unit_ids[unsafe_offset=1] = claim()
     comptime if BOXED_TILE:
         if tid == 0:
             init_barrier(tile_arrived)
     barrier()
-    start_copies(plan_of(first), 0, True)
-    for request in range(first, last):
-        locate()
-        var buffer = (request - first) % 2
-        var plan = plan_of(request)
+    start_copies(plan_of(0), place_of_unit(unit), 0, True)
+    var step = 0  # the block's units so far
+    while unit < units:
+        locate(unit % block_columns)
+        var here = UnitPlace(value_head, key_head, group_slot, tile, tile_start)
+        var buffer = step % 2
+        var plan = plan_of(buffer)
+        var next = Int(unit_ids[unsafe_offset=1 - buffer])
+        unit = next
+        step += 1
+        # The next unit's ids, and the claim of the one after it, are read now and
+        # written to shared memory at the end of 1., once they have arrived.
+        var next_ids = read_ids(next)
+        var after_next = UInt32(units)
+        if tid == unit_claimer[THREADS]() and next < units:
+            after_next = claim()
         var pairs = token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
         var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)
         var first_count = min(CHUNK, plan.end - plan.start)
 
-        # 1. This request's copies have landed, for every thread; the block is done
-        #    with the previous request.
+        # 1. This unit's copies have landed, for every thread; the block is done
+        #    with the previous unit.
         async_copy_wait_all()
         comptime if BOXED_TILE:
             if plan.runs:
@@ -442,16 +494,17 @@ def windows_gpu_kernel[
                         m * REDUCTION_LANES + lane, tile_column
                     )
                 ).cast[DType.float32]()
-        var next = request + 1
-        if next < last and (next - first) % PLAN_SLOTS == 0:
-            load_plans(next)  # every thread has read this request's plan
-        barrier()  # the state tile is free, the norms are written, the ids are read
+        write_ids(1 - buffer, next_ids)  # every thread has read that slot's last plan
+        if tid == unit_claimer[THREADS]():
+            unit_ids[unsafe_offset=buffer] = after_next  # every thread has read this unit's id
+        barrier()  # the state tile is free, the norms are written, the ids are in
 
-        # 2. The next request's copies run while this one computes. Its state tile
-        #    waits until this request's folded state has left the staged tile (3.).
-        if next < last:
-            var next_plan = plan_of(next)
-            start_copies(next_plan, 1 - buffer, not stores_through_tile(plan))
+        # 2. The next unit's copies run while this one computes. Its state tile waits
+        #    until this unit's folded state has left the staged tile (3.).
+        var next_place = place_of_unit(next)
+        if next < units:
+            var next_plan = plan_of(1 - buffer)
+            start_copies(next_plan, next_place, 1 - buffer, not stores_through_tile(plan))
             # Its tile is copied in only after the fold (3.), but L2 can fetch it now,
             # while the block folds and stores: the copy then finds it there (4.5% off
             # a layer at batch 64). Fetching the tile after it instead is slower than
@@ -459,7 +512,7 @@ def windows_gpu_kernel[
             comptime if BOXED_TILE:
                 if tid == 0 and next_plan.runs and stores_through_tile(plan):
                     prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
-                        state_map_at, head_row(next_plan), tile_start
+                        state_map_at, head_row(next_plan, next_place), next_place.tile_start
                     )
 
         # One lane of each column writes its readout.
@@ -475,7 +528,7 @@ def windows_gpu_kernel[
         if not plan.runs:
             continue
         # This thread's first state row; the others are constant offsets from it.
-        var state_rows = state.unsafe_offset(head_state_at(plan) + lane * V + tile_column)
+        var state_rows = state.unsafe_offset(head_state_at(plan, here) + lane * V + tile_column)
         var changed = plan.end > plan.start
 
         # Writes the held state as the pool's dtype.
@@ -490,7 +543,7 @@ def windows_gpu_kernel[
         comptime if FOLD_PREVIOUS:
             if plan.accepted > 0:
                 changed = True
-                var record_row = previous_records_at(plan)
+                var record_row = previous_records_at(plan, here)
                 var arrived_keys = arrived_record_keys.unsafe_offset(
                     buffer * ARRIVED_RECORD_KEYS
                 )
@@ -547,11 +600,11 @@ def windows_gpu_kernel[
                         # as soon as the copy engine has read it.
                         if tid == 0:
                             store_state_tile_boxes[state_dtype, K, COLUMN_TILE](
-                                state_map_at, head_row(plan), tile_start, state_tile
+                                state_map_at, head_row(plan, here), tile_start, state_tile
                             )
                             wait_bulk_copies_read()
-                            if next < last:
-                                start_tile_copy(plan_of(next))
+                            if next < units:
+                                start_tile_copy(plan_of(1 - buffer), next_place)
                     else:
                         store_state(stored)
 

@@ -1,13 +1,13 @@
 """What the GPU window kernel stages in shared memory, and how.
 
-A block works through its requests one after another. While it computes one, the
-asynchronous copies for the next are already in flight: that request's state tile,
-its first WINDOW_CHUNK previous records and its first WINDOW_CHUNK tokens. The copies
-go straight from global to shared memory, so they hold no registers while they wait;
-registers stay free for the state being computed on. Records and tokens come by
-cp.async; the state tile, where its rows are whole 128-byte swizzle rows, as tensor
-boxes (cp.async.bulk.tensor, one instruction per box), as does a folded state on its
-way back to the pool; other tiles by cp.async.
+A block works through its units (requests on column tiles) one after another. While it
+computes one, the asynchronous copies for the next are already in flight: that unit's
+state tile, its first WINDOW_CHUNK previous records and its first WINDOW_CHUNK tokens.
+The copies go straight from global to shared memory, so they hold no registers while
+they wait; registers stay free for the state being computed on. Records and tokens
+come by cp.async; the state tile, where its rows are whole 128-byte swizzle rows, as
+tensor boxes (cp.async.bulk.tensor, one instruction per box), as does a folded state
+on its way back to the pool; other tiles by cp.async.
 
 Everything a request needs is decided from its ids and offsets alone (`RequestPlan`),
 so every thread of a block takes the same branches and meets the same barriers.
@@ -17,7 +17,7 @@ from max.gpu.memory import async_copy
 from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
-from std.sys import size_of
+from std.sys import inlined_assembly, size_of
 
 from .bulk_copy import (
     BULK_UNIT_BYTES,
@@ -107,7 +107,7 @@ def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
     # q and k lane-major once.
     floats += 2 * WINDOW_CHUNK * (2 * NATURAL + COLUMN_TILE + TOKEN_SCALARS)
     floats += WINDOW_CHUNK * 2 * LANE_MAJOR
-    floats += PLAN_FIELDS * PLAN_SLOTS  # the requests' ids
+    floats += PLAN_FIELDS * PLAN_SLOTS + PLAN_SLOTS  # the units' ids and requests' ids
     return 4 * floats
 
 
@@ -160,11 +160,18 @@ def window_blocks_per_sm[
     return max(1, min(by_shared, by_registers, 2048 // THREADS))
 
 
-# Requests whose ids a block keeps in shared memory at a time. A block reads them once
-# per PLAN_SLOTS requests, so that deciding a request's plan never waits on memory.
-comptime PLAN_SLOTS = 32
-# The ids of one request in that table: its offsets, pool row, ring row, previous ring
-# row and previous accepted count.
+# A block works through units of work, one (request, column block) each: a column block
+# is one column tile of one value head. Units go out in request-major order, so the
+# units running at once share their requests' tokens in L2. A block's first unit is its
+# own index; every later one comes from a counter that the blocks add to as they go, so
+# a block that runs fast takes more units and the layer ends with the GPU evenly busy.
+#
+# The ids of a block's current unit and of its next wait in shared memory, one slot
+# each, so that deciding a unit's plan never waits on memory: the next unit's ids are
+# read, and the unit after it claimed, while the block stages the current one.
+comptime PLAN_SLOTS = 2
+# The ids of one request: its offsets, pool row, ring row, previous ring row and
+# previous accepted count, each read by a thread of its own.
 comptime PLAN_FIELDS = 6
 
 comptime SharedUInts = Pointer[UInt32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
@@ -189,48 +196,85 @@ struct RequestPlan(ImplicitlyCopyable):
     var poisoned: Bool
 
 
+@fieldwise_init
+struct UnitPlace(ImplicitlyCopyable):
+    """Where a unit's column block sits: its value head, the key head that head reads,
+    its place in that key head's group, and its first value column."""
+
+    var value_head: Int
+    var key_head: Int
+    var group_slot: Int
+    var tile: Int
+    var tile_start: Int
+
+
 @always_inline
-def load_plan_ids[
-    RECORD: Bool, FOLD_PREVIOUS: Bool, THREADS: Int
+def place_of[
+    COLUMN_TILE: Int, TILES: Int
+](block_column: Int, group_size: Int) -> UnitPlace:
+    """The place of column block `block_column` (value head * TILES + tile)."""
+    var tile = block_column % TILES
+    var value_head = block_column // TILES
+    return UnitPlace(
+        value_head, value_head // group_size, value_head % group_size, tile,
+        tile * COLUMN_TILE,
+    )
+
+
+@always_inline
+def plan_field_reader[THREADS: Int](tid: Int) -> Int:
+    """The field of a request's ids that thread `tid` reads, or -1: the block's last
+    PLAN_FIELDS threads read one each (warp 0 already issues the tile's copies)."""
+    comptime assert THREADS > PLAN_FIELDS, "a block needs a thread per id and a claimer"
+    return THREADS - 1 - tid if tid >= THREADS - PLAN_FIELDS else -1
+
+
+@always_inline
+def unit_claimer[THREADS: Int]() -> Int:
+    """The thread that claims the block's units from the counter."""
+    return THREADS - 1 - PLAN_FIELDS
+
+
+@always_inline
+def read_plan_field[
+    RECORD: Bool, FOLD_PREVIOUS: Bool
 ](
-    table: SharedUInts,
-    first: Int,
-    last: Int,
+    field: Int,
+    request: Int,
     row_ids: Pointer[UInt32, ImmutAnyOrigin],
     ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     offsets: Pointer[UInt32, ImmutAnyOrigin],
     previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
-    tid: Int,
-):
-    """Stores the ids of requests `first + i`, i < PLAN_SLOTS and below `last`, in slot
-    i of the table (thread `tid` fills slots tid, tid + THREADS, ...); field f of slot
-    i sits at `f * PLAN_SLOTS + i`. Needs a barrier before the table is read."""
+) -> UInt32:
+    """Field `field` of request `request`'s ids (see PLAN_FIELDS); 0 for a field the
+    op does not have."""
+    if field == 0:
+        return offsets[unsafe_offset=request]
+    if field == 1:
+        return offsets[unsafe_offset=request + 1]
+    if field == 2:
+        return row_ids[unsafe_offset=request]
+    comptime if RECORD:
+        if field == 3:
+            return ring_row_ids[unsafe_offset=request]
+    comptime if FOLD_PREVIOUS:
+        if field == 4:
+            return previous_ring_row_ids[unsafe_offset=request]
+        if field == 5:
+            return previous_accepted[unsafe_offset=request]
+    return 0
 
-    @always_inline
-    def load_slot(slot: Int, in_table: Bool) {imm}:
-        var request = first + slot
-        if in_table and request < last:
-            table[unsafe_offset=slot] = offsets[unsafe_offset=request]
-            table[unsafe_offset=PLAN_SLOTS + slot] = offsets[unsafe_offset=request + 1]
-            table[unsafe_offset=2 * PLAN_SLOTS + slot] = row_ids[unsafe_offset=request]
-            comptime if RECORD:
-                table[unsafe_offset=3 * PLAN_SLOTS + slot] = ring_row_ids[
-                    unsafe_offset=request
-                ]
-            comptime if FOLD_PREVIOUS:
-                table[unsafe_offset=4 * PLAN_SLOTS + slot] = previous_ring_row_ids[
-                    unsafe_offset=request
-                ]
-                table[unsafe_offset=5 * PLAN_SLOTS + slot] = previous_accepted[
-                    unsafe_offset=request
-                ]
 
-    comptime if THREADS >= PLAN_SLOTS:
-        load_slot(tid, tid < PLAN_SLOTS)
-    else:  # blocks of fewer threads than slots (column tiles below 8)
-        for slot in range(tid, PLAN_SLOTS, THREADS):
-            load_slot(slot, True)
+@always_inline
+def claim_unit(counter: Pointer[UInt32, MutAnyOrigin]) -> UInt32:
+    """The counter's value before this claim added one to it."""
+    return inlined_assembly[
+        "atom.relaxed.gpu.global.add.u32 $0, [$1], 1;",
+        UInt32,
+        constraints="=r,l,~{memory}",
+        has_side_effect=True,
+    ](counter)
 
 
 @always_inline
@@ -239,7 +283,8 @@ def plan_request[
 ](
     table: SharedUInts, slot: Int, num_tokens: Int, num_rows: Int, num_ring_rows: Int
 ) -> RequestPlan:
-    """The plan of the request whose ids sit in `slot` of the table."""
+    """The plan of the request whose ids sit in `slot` of the table (field f of slot
+    s at `f * PLAN_SLOTS + s`)."""
     var start = Int(table[unsafe_offset=slot])
     var end = Int(table[unsafe_offset=PLAN_SLOTS + slot])
     var in_range = start <= end and end <= num_tokens

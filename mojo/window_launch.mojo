@@ -204,16 +204,21 @@ def run_windows[
         ]
         comptime THREADS = window_block_threads[COLUMN_TILE]()
         comptime TILE_BYTES = window_tile_bytes[state_dtype, K, COLUMN_TILE]()
-        var block_columns = num_value_heads * (V // COLUMN_TILE)
-        var requests_per_block = REQUESTS_PER_BLOCK
-        if requests_per_block == 0:
-            # As many blocks as the GPU holds at once, each running an equal share of
-            # the requests: one request's copies then overlap another's arithmetic.
-            var resident = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT) * (
-                window_blocks_per_sm[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS]()
+        # Units of work: one request on one column block (a column tile of one head).
+        var units = batch * num_value_heads * (V // COLUMN_TILE)
+        var blocks = ceildiv(units, REQUESTS_PER_BLOCK) if REQUESTS_PER_BLOCK > 0 else units
+        comptime if REQUESTS_PER_BLOCK == 0:
+            # As many blocks as the GPU holds at once, each taking units until none are
+            # left: one unit's copies then overlap another's arithmetic, and the blocks
+            # end together however their speeds differ.
+            blocks = min(
+                units,
+                ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+                * window_blocks_per_sm[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS](),
             )
-            var runs = min(batch, max(1, resident // block_columns))
-            requests_per_block = ceildiv(batch, runs)
+        # The counter the blocks claim units from, zero at the start of every launch.
+        var unit_counter = ctx.enqueue_create_buffer[DType.uint32](1)
+        ctx.enqueue_memset(unit_counter, UInt32(0))
         # The pool as [rows * heads * K, V], for tiles that move as tensor boxes.
         var state_map = TMADescriptor()
         comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
@@ -229,11 +234,11 @@ def run_windows[
                 )
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
-            previous_ring_row_ids, previous_accepted, state_map,
-            Int32(batch), Int32(requests_per_block), Int32(num_tokens), Int32(num_rows),
+            previous_ring_row_ids, previous_accepted, unit_counter.unsafe_ptr(), state_map,
+            Int32(batch), Int32(num_tokens), Int32(num_rows),
             Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
             Int32(record_stride),
-            grid_dim=(block_columns, ceildiv(batch, requests_per_block)),
+            grid_dim=blocks,
             block_dim=THREADS,
             shared_mem_bytes=TILE_BYTES,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(TILE_BYTES)),

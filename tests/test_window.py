@@ -182,21 +182,24 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
 
 
 # (state dtype, column_tile, requests_per_block, number of requests). The small cases
-# above give each block one request; these make blocks run several in turn, so that one
-# request's copies and fold overlap another's tokens, and one crosses the 32-request
-# groups in which a block reads its requests' ids.
+# above give each block one unit (one request on one column tile of one head); these
+# make blocks run several in turn, claimed from the kernel's counter, so that one
+# unit's copies and fold overlap another's tokens and a block moves between heads,
+# tiles and requests. The last leaves the grid to the op at more units (64 requests
+# on 8 column tiles) than an H200 holds blocks at once.
 GPU_TILINGS = [
     ("float32", None, 2, 7),
     ("float32", None, 3, 7),
     ("bfloat16", None, 3, 7),
     ("float32", 4, 2, 7),
     ("float32", None, 70, 70),
+    ("float32", None, None, 64),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("state_dtype", "column_tile", "requests_per_block", "batch"), GPU_TILINGS)
-def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, requests_per_block: int,
+def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, requests_per_block: int | None,
                                      batch: int) -> None:
     runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=requests_per_block)
     pattern = [4, 0, 1, 6, 2, 3, 4]  # full, empty, short, past RING_LEN (commits), ...

@@ -154,8 +154,10 @@ class WindowRunner(CompiledGraphs):
     Args:
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
-        requests_per_block: GPU only: requests one block runs in turn (default: as many
-            as fill the GPU once).
+        requests_per_block: GPU only: the units of work (one request on one column
+            tile of one head) a block runs in turn, on average: the grid holds
+            units / requests_per_block blocks, which claim units as they go (default:
+            as many blocks as the GPU holds at once).
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,

@@ -25,7 +25,8 @@ RECURRENCE_OP_NAME = "gdfold_recurrence"
 PREFERRED_COLUMN_TILE = 64
 
 #: ``requests_per_block`` passed to the op when the caller names none: the op then
-#: sizes the grid to the blocks the GPU holds at once and shares the requests out.
+#: sizes the grid to the blocks the GPU holds at once, and they claim the units of
+#: work (one request on one column tile of one head) until none are left.
 AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
@@ -160,8 +161,10 @@ def verify_ring(
         previous_num_accepted: ``[B]``, fold on load: records to fold per request (0 or
             more than RING_LEN fold nothing).
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
-        requests_per_block: GPU only: requests one block runs in turn (default: as many
-            as fill the GPU once).
+        requests_per_block: GPU only: the units of work (one request on one column
+            tile of one head) a block runs in turn, on average: the grid holds
+            units / requests_per_block blocks, which claim units as they go (default:
+            as many blocks as the GPU holds at once).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -233,8 +236,10 @@ def recurrence(
         row_ids: ``[B]`` pool row of each request.
         input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
         column_tile: GPU only: value columns one block owns.
-        requests_per_block: GPU only: requests one block runs in turn (default: as many
-            as fill the GPU once).
+        requests_per_block: GPU only: the units of work (one request on one column
+            tile of one head) a block runs in turn, on average: the grid holds
+            units / requests_per_block blocks, which claim units as they go (default:
+            as many blocks as the GPU holds at once).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.

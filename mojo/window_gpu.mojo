@@ -80,6 +80,7 @@ from .window_gpu_staging import (
     UnitPlace,
     claim_unit,
     place_of,
+    divide,
     plan_field_reader,
     read_plan_field,
     unit_claimer,
@@ -313,11 +314,11 @@ def windows_gpu_kernel[
 
     @always_inline
     def request_of(any_unit: Int) {imm} -> Int:
-        return any_unit // block_columns
+        return divide(any_unit, block_columns)[0]
 
     @always_inline
     def place_of_unit(any_unit: Int) {imm} -> UnitPlace:
-        return place_of[COLUMN_TILE, TILES](any_unit % block_columns, group_size)
+        return place_of[COLUMN_TILE, TILES](divide(any_unit, block_columns)[1], group_size)
 
     # Reads this thread's field of the ids of `any_unit`'s request (0 when it reads none).
     @always_inline
@@ -448,7 +449,7 @@ def windows_gpu_kernel[
     start_copies(plan_of(0), place_of_unit(unit), 0, True)
     var step = 0  # the block's units so far
     while unit < units:
-        locate(unit % block_columns)
+        locate(divide(unit, block_columns)[1])
         var here = UnitPlace(value_head, key_head, group_slot, tile, tile_start)
         var buffer = step % 2
         var plan = plan_of(buffer)

@@ -209,16 +209,23 @@ struct UnitPlace(ImplicitlyCopyable):
 
 
 @always_inline
+def divide(index: Int, divisor: Int) -> Tuple[Int, Int]:
+    """`index // divisor` and `index % divisor` for a non-negative index and a positive
+    divisor below 2**32, in 32-bit unsigned arithmetic: 64-bit division costs the
+    kernel several times the instructions, once per unit."""
+    var whole = Int(UInt32(index) // UInt32(divisor))
+    return (whole, index - whole * divisor)
+
+
+@always_inline
 def place_of[
     COLUMN_TILE: Int, TILES: Int
 ](block_column: Int, group_size: Int) -> UnitPlace:
     """The place of column block `block_column` (value head * TILES + tile)."""
-    var tile = block_column % TILES
-    var value_head = block_column // TILES
-    return UnitPlace(
-        value_head, value_head // group_size, value_head % group_size, tile,
-        tile * COLUMN_TILE,
-    )
+    var tile = remainder[TILES](block_column)
+    var value_head = quotient[TILES](block_column)
+    var key_head, group_slot = divide(value_head, group_size)
+    return UnitPlace(value_head, key_head, group_slot, tile, tile * COLUMN_TILE)
 
 
 @always_inline

@@ -193,6 +193,7 @@ def windows_gpu_kernel[
     previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
     unit_counter: Pointer[UInt32, MutAnyOrigin],
     state_map: TMADescriptor,
+    claims_i32: Int32,
     batch_i32: Int32,
     num_tokens_i32: Int32,
     num_rows_i32: Int32,
@@ -309,7 +310,8 @@ def windows_gpu_kernel[
     var unit = Int(block_idx.x)
     if unit >= units:
         return
-    var claimed_from = Int(grid_dim.x)  # units below the grid's size are the blocks' first
+    var grid_blocks = Int(grid_dim.x)  # units below the grid's size are the blocks' first
+    var claims = claims_i32 != 0
     var field = plan_field_reader[THREADS](tid)
 
     @always_inline
@@ -335,10 +337,13 @@ def windows_gpu_kernel[
         if field >= 0:
             plan_ids[unsafe_offset=field * PLAN_SLOTS + slot] = value
 
-    # The block's next unit after the one it has, claimed now.
+    # The block's unit after `previous`: claimed from the counter, or without one (a
+    # launch whose blocks run at most two units each) the unit a grid further on.
     @always_inline
-    def claim() {imm} -> UInt32:
-        return UInt32(claimed_from) + claim_unit(unit_counter)
+    def claim(previous: Int) {imm} -> UInt32:
+        if claims:
+            return UInt32(grid_blocks) + claim_unit(unit_counter)
+        return UInt32(previous + grid_blocks)
 
     @always_inline
     def plan_of(slot: Int) {imm} -> RequestPlan:
@@ -441,7 +446,7 @@ def windows_gpu_kernel[
     # The first unit's ids, and the claim of the second.
     write_ids(0, read_ids(unit))
     if tid == unit_claimer[THREADS]():
-        unit_ids[unsafe_offset=1] = claim()
+        unit_ids[unsafe_offset=1] = claim(unit)
     comptime if BOXED_TILE:
         if tid == 0:
             init_barrier(tile_arrived)
@@ -461,7 +466,7 @@ def windows_gpu_kernel[
         var next_ids = read_ids(next)
         var after_next = UInt32(units)
         if tid == unit_claimer[THREADS]() and next < units:
-            after_next = claim()
+            after_next = claim(next)
         var pairs = token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
         var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)

@@ -5,16 +5,16 @@ kernel with the SM's cycle counter:
                                    [--requests-per-block R] [--clock-ghz F] [--raw CSV]
 
 A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) is patched
-in a temporary folder: at the end of each phase of a request (the numbered steps of
+in a temporary folder: at the end of each phase of a unit (the numbered steps of
 ``window_gpu.mojo``) every thread adds the cycles since the last mark to that phase's
 total, and at the end threads 0 and 64 write their totals over the readout of the block's
-first token (so the readout is wrong; the pool and ring are not touched). One step of
-``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool; the last layer's
-blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch, thread 64
-does not: the two columns show what that costs warp 0. The counters cost the kernel
-registers (ptxas: about 50 bytes of spills more than the kernel's own), so the whole is a
-little slower than the kernel timed alone; compare its parts, not its total, with the
-step benchmark.
+first unit's first token (so the readout is wrong; the pool and ring are not touched). One
+step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool; the last
+layer's blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch,
+thread 64 does not: the two columns show what that costs warp 0. The counters cost the
+kernel registers (ptxas: about 50 bytes of spills more than the kernel's own), so the
+whole is a little slower than the kernel timed alone; compare its parts, not its total,
+with the step benchmark.
 
 The patch looks for lines of the kernel by their text and stops with an error naming
 the one it cannot find, so a kernel that has moved on fails loudly instead of measuring
@@ -39,15 +39,17 @@ from gdfold_max.bench import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 PHASES = (
-    "waiting for the request's copies, barrier 1",
+    "waiting for the unit's copies, barrier 1",
     "state tile to registers, norms, barrier 2",
-    "next request's copies issued, L2 prefetch",
+    "next unit's copies issued, L2 prefetch",
     "fold on load and the folded tile's store",
     "tokens",
 )
 # Where thread 0's and thread 64's counters land among the block's first readout columns.
 WRITERS = {"thread 0": 0, "thread 64": 8}
-TOTAL_AT, REQUESTS_AT, SM_AT = len(PHASES), len(PHASES) + 1, len(PHASES) + 2
+TOTAL_AT, UNITS_AT, SM_AT = len(PHASES), len(PHASES) + 1, len(PHASES) + 2
+# Blocks an H200 holds at once: 132 SMs of 3 (window_blocks_per_sm at tile 64, fp32).
+RESIDENT_BLOCKS = 132 * 3
 
 CLOCK = '''
 
@@ -58,6 +60,7 @@ def clock_cycles() -> UInt32:
 START = '''    var phase_cycles = SIMD[DType.uint32, 8](0)
     var kernel_start = clock_cycles()
     var phase_mark = kernel_start
+    var first_unit = unit
 
     @always_inline
     def end_phase(phase: Int) {mut}:
@@ -69,21 +72,22 @@ START = '''    var phase_cycles = SIMD[DType.uint32, 8](0)
 FINISH = '''
 
     if tid == 0 or tid == 64:
-        var at = Int(offsets[unsafe_offset=first]) * readout_width + value_head * V + tile_start
+        var request, block_column = divide(first_unit, block_columns)
+        var at = Int(offsets[unsafe_offset=request]) * readout_width + block_column * COLUMN_TILE
         at += 0 if tid == 0 else 8
         for phase in range(5):
             readout[unsafe_offset=at + phase] = Float32(phase_cycles[phase])
         readout[unsafe_offset=at + 5] = Float32(clock_cycles() - kernel_start)
-        readout[unsafe_offset=at + 6] = Float32(last - first)
+        readout[unsafe_offset=at + 6] = Float32(step)
         var sm = inlined_assembly["mov.u32 $0, %smid;", UInt32, constraints="=r", has_side_effect=True]()
         readout[unsafe_offset=at + 7] = Float32(sm)
 '''
 # (text to find, text to put before it, text to put after it)
 EDITS = (
     ("\ncomptime COLUMN_VECTOR = 4\n", CLOCK, ""),
-    ("    start_copies(plan_of(first), 0, True)\n", START, ""),
+    ("    start_copies(plan_of(0), place_of_unit(unit), 0, True)\n", START, ""),
     ("        # held[m] is state row m * 8 + lane of the thread's four columns.\n", "        end_phase(0)\n", ""),
-    ("        barrier()  # the state tile is free, the norms are written, the ids are read\n", "",
+    ("        barrier()  # the state tile is free, the norms are written, the ids are in\n", "",
      "        end_phase(1)\n"),
     ("        # One lane of each column writes its readout.\n", "        end_phase(2)\n", ""),
     ("        # 4. The window, WINDOW_CHUNK tokens at a time.\n", "        end_phase(3)\n", ""),
@@ -124,8 +128,8 @@ def main() -> None:
 
     shape = FoldShape(num_layers=args.layers)
     block_columns = shape.num_value_heads * (shape.value_dim // args.column_tile)
-    requests = args.requests_per_block or math.ceil(args.batch / max(1, min(args.batch, 132 * 3 // block_columns)))
-    tiling = {"column_tile": args.column_tile, "requests_per_block": requests}
+    blocks = grid_blocks(args.batch * block_columns, args.requests_per_block)
+    tiling = {"column_tile": args.column_tile, "requests_per_block": args.requests_per_block}
     device = Accelerator()
     with tempfile.TemporaryDirectory() as scratch:
         graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2, tiling,
@@ -135,21 +139,29 @@ def main() -> None:
     model = graphs.model("fused", DType.float32, 1)
     for _ in range(3):  # the last run's counters are read
         (readout,) = model.execute(*operands)
-    report(np.asarray(readout.to(CPU()).to_numpy()), shape, requests, args)
+    report(np.asarray(readout.to(CPU()).to_numpy()), shape, block_columns, blocks, args)
 
 
-def report(counters: np.ndarray, shape: FoldShape, requests: int, args: argparse.Namespace) -> None:
+def grid_blocks(units: int, requests_per_block: int | None) -> int:
+    """The blocks the op launches for `units` units (window_launch.mojo, on an H200)."""
+    blocks = min(units, RESIDENT_BLOCKS) if requests_per_block is None else math.ceil(units / requests_per_block)
+    per_block = math.ceil(units / blocks)
+    return blocks if per_block > 2 else math.ceil(units / per_block)
+
+
+def report(counters: np.ndarray, shape: FoldShape, block_columns: int, grid: int,
+           args: argparse.Namespace) -> None:
     """Prints the phases' means, the spread of the blocks' times and how the blocks sharing
     an SM fared, from the readout the patched kernel wrote over."""
     tokens_per_request = counters.shape[0] // args.batch
 
-    # Block (value head, tile, run of requests) wrote at its first request's first token.
-    blocks = [(head * shape.value_dim + tile * args.column_tile, first * tokens_per_request)
-              for head in range(shape.num_value_heads) for tile in range(shape.value_dim // args.column_tile)
-              for first in range(0, args.batch, requests)]
+    # Block b's first unit is unit b: request b // block_columns on column block
+    # b % block_columns, whose readout starts at column (b % block_columns) * tile.
+    blocks = [((b % block_columns) * args.column_tile, (b // block_columns) * tokens_per_request)
+              for b in range(grid)]
     us = 1e-3 / args.clock_ghz
     print(f"batch {args.batch}, {args.layers} layers (the last one's blocks), tile {args.column_tile},"
-          f" {requests} requests per block, {len(blocks)} blocks; us per block, mean over blocks"
+          f" {len(blocks)} blocks; us per block, mean over blocks"
           f" (cycles at {args.clock_ghz} GHz)")
     print(f"  {'phase':46s}" + "".join(f" {name:>10s}" for name in WRITERS))
     for phase, name in [*enumerate(PHASES), (TOTAL_AT, "whole block")]:
@@ -159,18 +171,18 @@ def report(counters: np.ndarray, shape: FoldShape, requests: int, args: argparse
     # Thread 0's counters, one row per block.
     table = np.array([counters[row, column:column + SM_AT + 1] for column, row in blocks], dtype=np.float64)
     if args.raw:
-        header = ",".join(["value_column", "first_token", *PHASES, "whole block", "requests", "sm"])
+        header = ",".join(["value_column", "first_token", *PHASES, "whole block", "units", "sm"])
         rows = np.column_stack([np.array(blocks, dtype=np.float64), table[:, :TOTAL_AT + 1] * us,
-                                table[:, REQUESTS_AT:]])
+                                table[:, UNITS_AT:]])
         np.savetxt(args.raw, rows, delimiter=",", header=header, comments="", fmt="%.3f")
     whole = table[:, TOTAL_AT] * us
-    for count in sorted(set(table[:, REQUESTS_AT])):
-        mine = np.sort(whole[table[:, REQUESTS_AT] == count])
-        print(f"blocks of {count:.0f} requests: {len(mine)}, whole block us: min {mine[0]:.1f}, median"
+    for count in sorted(set(table[:, UNITS_AT])):
+        mine = np.sort(whole[table[:, UNITS_AT] == count])
+        print(f"blocks of {count:.0f} units: {len(mine)}, whole block us: min {mine[0]:.1f}, median"
               f" {np.median(mine):.1f}, 90th percentile {np.percentile(mine, 90):.1f}, max {mine[-1]:.1f}")
-    # Blocks are launched run by run (a run: the same requests for every head and tile).
+    # Blocks are launched in the order of their first units, request by request.
     firsts = np.array([row for _, row in blocks]) // tokens_per_request
-    print("whole block us by run of requests (launch order): " + ", ".join(
+    print("whole block us by the request of its first unit (launch order): " + ", ".join(
         f"{first}: {np.median(whole[firsts == first]):.1f}" for first in sorted(set(firsts.tolist()))))
     # Blocks that shared an SM: did the SM's load set their time?
     per_sm: dict[int, list[int]] = {}
@@ -178,9 +190,9 @@ def report(counters: np.ndarray, shape: FoldShape, requests: int, args: argparse
         per_sm.setdefault(int(sm), []).append(index)
     for resident in sorted({len(v) for v in per_sm.values()}):
         members = [i for v in per_sm.values() if len(v) == resident for i in v]
-        per_request = whole[members] / table[members, REQUESTS_AT]
+        per_unit = whole[members] / table[members, UNITS_AT]
         print(f"SMs holding {resident} of these blocks: {sum(len(v) == resident for v in per_sm.values())},"
-              f" us per request: median {np.median(per_request):.2f}, max {per_request.max():.2f}")
+              f" us per unit: median {np.median(per_unit):.2f}, max {per_unit.max():.2f}")
 
 
 if __name__ == "__main__":

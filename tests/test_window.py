@@ -183,17 +183,18 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
 
 # (state dtype, column_tile, requests_per_block, number of requests). The small cases
 # above give each block one unit (one request on one column tile of one head); these
-# make blocks run several in turn, claimed from the kernel's counter, so that one
-# unit's copies and fold overlap another's tokens and a block moves between heads,
-# tiles and requests. The last leaves the grid to the op at more units (64 requests
-# on 8 column tiles) than an H200 holds blocks at once.
+# make blocks run several in turn, so that one unit's copies and fold overlap another's
+# tokens and a block moves between heads, tiles and requests. At two units per block
+# the blocks run units a grid apart; at three or more they claim them from the kernel's
+# counter. The last leaves the grid to the op at 128 requests on 8 column tiles, more
+# than twice the blocks an H200 holds at once, so that they claim.
 GPU_TILINGS = [
     ("float32", None, 2, 7),
     ("float32", None, 3, 7),
     ("bfloat16", None, 3, 7),
     ("float32", 4, 2, 7),
     ("float32", None, 70, 70),
-    ("float32", None, None, 64),
+    ("float32", None, None, 128),
 ]
 
 

@@ -217,10 +217,10 @@ def run_windows[
             )
         # Blocks that run more than two units each claim them from a counter, zeroed for
         # the launch, so that the blocks that run faster take more and all end together
-        # (4% off a layer at batch 64 on an H200). With two units or fewer per block the
-        # counter's allocation, zeroing and claims cost more than they even out (a fused
-        # layer took 2 to 5 us longer at batches 1 and 8): the units are then shared out
-        # evenly, each block running those a grid apart.
+        # (3.5% off a fused layer at batch 64 on an H200). At two units or fewer per
+        # block there is little to even out, and with the counter a fused layer took 2.0
+        # and 4.7 us longer at batches 1 and 8 (bench/window-tuning-h200-2026-11-29.txt):
+        # the units are then shared out evenly, each block running those a grid apart.
         var per_block = ceildiv(units, blocks)
         var claims = per_block > 2
         if not claims:

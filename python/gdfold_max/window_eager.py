@@ -156,8 +156,9 @@ class WindowRunner(CompiledGraphs):
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
         requests_per_block: GPU only: the units of work (one request on one column
             tile of one head) a block runs in turn, on average: the grid holds
-            units / requests_per_block blocks, which claim units as they go (default:
-            as many blocks as the GPU holds at once).
+            units / requests_per_block blocks, which claim units as they go where
+            they run more than two each (default: as many blocks as the GPU holds at
+            once).
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,

@@ -25,8 +25,9 @@ RECURRENCE_OP_NAME = "gdfold_recurrence"
 PREFERRED_COLUMN_TILE = 64
 
 #: ``requests_per_block`` passed to the op when the caller names none: the op then
-#: sizes the grid to the blocks the GPU holds at once, and they claim the units of
-#: work (one request on one column tile of one head) until none are left.
+#: sizes the grid to the blocks the GPU holds at once, and they work through the units
+#: (one request on one column tile of one head), claiming them where they run more
+#: than two each.
 AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
@@ -163,8 +164,9 @@ def verify_ring(
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
         requests_per_block: GPU only: the units of work (one request on one column
             tile of one head) a block runs in turn, on average: the grid holds
-            units / requests_per_block blocks, which claim units as they go (default:
-            as many blocks as the GPU holds at once).
+            units / requests_per_block blocks, which claim units as they go where
+            they run more than two each (default: as many blocks as the GPU holds at
+            once).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -238,8 +240,9 @@ def recurrence(
         column_tile: GPU only: value columns one block owns.
         requests_per_block: GPU only: the units of work (one request on one column
             tile of one head) a block runs in turn, on average: the grid holds
-            units / requests_per_block blocks, which claim units as they go (default:
-            as many blocks as the GPU holds at once).
+            units / requests_per_block blocks, which claim units as they go where
+            they run more than two each (default: as many blocks as the GPU holds at
+            once).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.

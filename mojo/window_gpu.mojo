@@ -24,10 +24,13 @@ Per unit, the block
    records; a forward, or a window longer than the ring, writes the state instead.
    A token's readout sums finish while the next token computes.
 
-The grid holds as many blocks as the GPU runs at once. Each starts on the unit of its
-own index and then claims units from a counter until none are left, so the copies of
-one unit overlap the arithmetic of another, and blocks that run faster than others
-(on a less busy SM, with shorter windows) take more units instead of waiting for them.
+The grid holds as many blocks as the GPU runs at once, each working through several
+units, so the copies of one unit overlap the arithmetic of another. A block runs the
+unit of its own index, then the one a grid further on, and then, where blocks run more
+than two units each, claims units from a counter until none are left: blocks that run
+faster than others (on a less busy SM, with shorter windows) take more units instead of
+waiting for them. Without the counter (two units or fewer each) a block runs the units
+a grid apart.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, grid_dim, thread_idx
@@ -310,7 +313,9 @@ def windows_gpu_kernel[
     var unit = Int(block_idx.x)
     if unit >= units:
         return
-    var grid_blocks = Int(grid_dim.x)  # units below the grid's size are the blocks' first
+    # A block's first two units are the unit of its index and the one a grid further on;
+    # the units after the first two grids' are claimed, where blocks claim at all.
+    var grid_blocks = Int(grid_dim.x)
     var claims = claims_i32 != 0
     var field = plan_field_reader[THREADS](tid)
 
@@ -337,12 +342,12 @@ def windows_gpu_kernel[
         if field >= 0:
             plan_ids[unsafe_offset=field * PLAN_SLOTS + slot] = value
 
-    # The block's unit after `previous`: claimed from the counter, or without one (a
-    # launch whose blocks run at most two units each) the unit a grid further on.
+    # The block's unit after its second: claimed from the counter, or without one (a
+    # launch whose blocks run at most two units each) the unit a grid after `previous`.
     @always_inline
     def claim(previous: Int) {imm} -> UInt32:
         if claims:
-            return UInt32(grid_blocks) + claim_unit(unit_counter)
+            return UInt32(2 * grid_blocks) + claim_unit(unit_counter)
         return UInt32(previous + grid_blocks)
 
     @always_inline
@@ -443,10 +448,10 @@ def windows_gpu_kernel[
                 at + vector * 4, arrived_key.unsafe_load[width=4, alignment=16](vector * 4)
             )
 
-    # The first unit's ids, and the claim of the second.
+    # The first unit's ids, and the second unit, which no block has to wait to claim.
     write_ids(0, read_ids(unit))
     if tid == unit_claimer[THREADS]():
-        unit_ids[unsafe_offset=1] = claim(unit)
+        unit_ids[unsafe_offset=1] = UInt32(unit + grid_blocks)
     comptime if BOXED_TILE:
         if tid == 0:
             init_barrier(tile_arrived)

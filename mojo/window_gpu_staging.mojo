@@ -162,9 +162,10 @@ def window_blocks_per_sm[
 
 # A block works through units of work, one (request, column block) each: a column block
 # is one column tile of one value head. Units go out in request-major order, so the
-# units running at once share their requests' tokens in L2. A block's first unit is its
-# own index; every later one comes from a counter that the blocks add to as they go, so
-# a block that runs fast takes more units and the layer ends with the GPU evenly busy.
+# units running at once share their requests' tokens in L2. A block's first two units
+# are its own index and that plus the grid's size; where blocks run more than two, each
+# later one comes from a counter that the blocks add to as they go, so a block that runs
+# fast takes more units and the layer ends with the GPU evenly busy (window_launch.mojo).
 #
 # The ids of a block's current unit and of its next wait in shared memory, one slot
 # each, so that deciding a unit's plan never waits on memory: the next unit's ids are

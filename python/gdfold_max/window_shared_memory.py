@@ -19,7 +19,7 @@ WINDOW_CHUNK = 4
 TOKEN_SCALARS = 4
 COPY_FLOATS = 4
 PLAN_FIELDS = 6
-PLAN_SLOTS = 32
+PLAN_SLOTS = 2
 SWIZZLE_BYTES = 128
 SWIZZLE_ALIGNMENT = 1024
 #: Static shared memory one block may use, and static plus dynamic (H100/H200).
@@ -33,7 +33,8 @@ def _permuted_pitch(key_dim: int) -> int:
 
 
 def static_bytes(key_dim: int, column_tile: int, *, fold_on_load: bool) -> int:
-    """Tokens, records and request ids: two buffers as they arrive, one lane-major."""
+    """Tokens, records, the units' ids and their requests' ids: two buffers as they
+    arrive, one lane-major."""
     lane_major = REDUCTION_LANES * _permuted_pitch(key_dim)
     natural = key_dim + 2 * COPY_FLOATS
     floats = 4 * 4
@@ -41,7 +42,7 @@ def static_bytes(key_dim: int, column_tile: int, *, fold_on_load: bool) -> int:
         floats += 2 * WINDOW_CHUNK * (natural + column_tile + 1) + WINDOW_CHUNK * lane_major
     floats += 2 * WINDOW_CHUNK * (2 * natural + column_tile + TOKEN_SCALARS)
     floats += WINDOW_CHUNK * 2 * lane_major
-    floats += PLAN_FIELDS * PLAN_SLOTS
+    floats += PLAN_FIELDS * PLAN_SLOTS + PLAN_SLOTS
     return 4 * floats
 
 

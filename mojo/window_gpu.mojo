@@ -296,7 +296,7 @@ def windows_gpu_kernel[
     var plan_ids = stack_allocation[
         PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
     ]()
-    # unit_ids[k % 2] holds the block's k-th unit from the moment it is claimed.
+    # unit_ids[k % 2] holds the block's k-th unit from the moment it is known.
     var unit_ids = stack_allocation[
         PLAN_SLOTS, DType.uint32, alignment=8, address_space=AddressSpace.SHARED
     ]()

@@ -1,8 +1,10 @@
 """Times one layer of our fused verify (fold on load) beside MAX's verify and fold for
-the same layer, at Qwen3-Next shapes and an fp32 pool, in one process:
+the same layer, at Qwen3-Next shapes and an fp32 pool (``--dtype bfloat16``: a bf16 one),
+in one process:
 
     python bench/tune_window.py [--kernels DIR [DIR ...]] [--column-tiles T [T ...]] [--rounds N]
-                                [--layers N] [--heads NV NK] [--dims K V] [--cpu] [BATCH ...]
+                                [--layers N] [--heads NV NK] [--dims K V] [--dtype D] [--cpu]
+                                [BATCH ...]
 
 ``--kernels`` names Mojo package folders (copies of ``mojo/`` with a change to try);
 their graphs share one session and are timed in turn, round after round, with the
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--heads", nargs=2, type=int, metavar=("NV", "NK"), help="value heads and key heads")
     parser.add_argument("--dims", nargs=2, type=int, metavar=("K", "V"), help="key and value head dimensions")
     parser.add_argument("--cpu", action="store_true", help="time on the CPU against our verify + fold")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pool's dtype")
     args = parser.parse_args()
     tiling = {key: int(os.environ[name]) for key, name in
               (("column_tile", "GDFOLD_COLUMN_TILE"), ("requests_per_block", "GDFOLD_REQUESTS_PER_BLOCK"))
@@ -79,13 +82,13 @@ def main() -> None:
         shape = replace(shape, key_dim=args.dims[0], value_dim=args.dims[1])
     device = CPU() if args.cpu else Accelerator()
     session = InferenceSession(devices=[device])
-    f32 = DType.float32
+    pool_dtype = DType.float32 if args.dtype == "float32" else DType.bfloat16
     anchor_variant, anchor_name = ("ours", "ours verify+fold") if args.cpu else ("max", "MAX verify+fold")
     started = time.perf_counter()
     anchor: StepGraphs | None = None
     try:
         anchor = StepGraphs(session, device, shape, 3, tiling)
-        anchor.compile_all([anchor_variant], [f32])
+        anchor.compile_all([anchor_variant], [pool_dtype])
         progress(f"compiled {anchor_name}", started)
     except Exception as error:  # MAX's kernels do not take every shape
         progress(f"{anchor_name} does not compile for this shape ({refusal(error)}): timing ours alone", started)
@@ -104,19 +107,19 @@ def main() -> None:
                              kernels=folder)
             for name, folder, t in zip(names, folders, tiles, strict=True)}
     for name, graphs in ours.items():
-        graphs.compile_all(["fused"], [f32])
+        graphs.compile_all(["fused"], [pool_dtype])
         progress(f"compiled {name}", started)
     per_layer = 1e6 / args.layers  # seconds per step to microseconds per layer
     for batch in args.batches:
-        operands = make_step_operands(device, shape, batch, f32)
+        operands = make_step_operands(device, shape, batch, pool_dtype)
         timed = [anchor_name, *ours] if anchor is not None else list(ours)
         times: dict[str, list[float]] = {name: [] for name in timed}
         for round_ in range(args.rounds):
             for name, graphs in ours.items():
-                times[name].append(graphs.per_step_seconds("fused", f32, operands, 5))
+                times[name].append(graphs.per_step_seconds("fused", pool_dtype, operands, 5))
             if anchor is not None:
                 try:
-                    times[anchor_name].append(anchor.per_step_seconds(anchor_variant, f32, operands, 5))
+                    times[anchor_name].append(anchor.per_step_seconds(anchor_variant, pool_dtype, operands, 5))
                 except Exception as error:  # MAX's kernels refuse some shapes only when run
                     progress(f"{anchor_name} does not run for this shape ({refusal(error)}): timing ours alone",
                              started)

@@ -5,7 +5,8 @@
 #
 # MOJO_PACKAGE_DIR is a folder that holds a copy of mojo/ to check (default: this
 # checkout). Needs the `mojo` of the installed MAX on PATH (or in $MOJO) and ptxas from a
-# CUDA toolkit (or in $PTXAS).
+# CUDA toolkit (or in $PTXAS). With nvdisasm on PATH (or in $NVDISASM) it also lists the
+# kernel's arithmetic loops and the spill instructions in each (bench/sass_loops.py).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 package_dir=$(cd "${1:-$root}" && pwd)
@@ -23,4 +24,10 @@ for title in "$work"/*.title; do
         /spill stores/ && !spills { spills = $0; sub(/^ +/, "", spills) }
         /Used [0-9]+ registers/ && !used { used = $0; sub(/.*Used/, "Used", used) }
         END { print "  " used; print "  " spills }'
+    # Where the spills sit, loop by loop, where nvdisasm is at hand (bench/sass_loops.py).
+    nvdisasm=${NVDISASM:-$(command -v nvdisasm || true)}
+    if [ -n "$nvdisasm" ]; then
+        "$nvdisasm" -c "$work/kernel.cubin" > "$work/kernel.sass"
+        "${PYTHON:-python3}" "$root/bench/sass_loops.py" "$work/kernel.sass"
+    fi
 done

@@ -217,9 +217,9 @@ def run_windows[
             )
         # Blocks that run more than two units each claim them from a counter, zeroed for
         # the launch, so that the blocks that run faster take more and all end together
-        # (3.5% off a fused layer at batch 64 on an H200). At two units or fewer per
-        # block there is little to even out, and with the counter a fused layer took 2.0
-        # and 4.7 us longer at batches 1 and 8 (bench/window-tuning-h200-2026-11-29.txt):
+        # (2.0 us off a fused layer at batch 64 on an H200, 4.2 at 256). At two units or
+        # fewer per block there is little to even out, and allocating and zeroing the
+        # counter alone costs 1.5 us at batch 1 (bench/window-tuning-h200-2026-11-29.txt):
         # the units are then shared out evenly, each block running those a grid apart.
         var per_block = ceildiv(units, blocks)
         var claims = per_block > 2

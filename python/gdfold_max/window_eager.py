@@ -154,11 +154,7 @@ class WindowRunner(CompiledGraphs):
     Args:
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
         column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
-        requests_per_block: GPU only: the units of work (one request on one column
-            tile of one head) a block runs in turn, on average: the grid holds
-            units / requests_per_block blocks, which claim units as they go where
-            they run more than two each (default: as many blocks as the GPU holds at
-            once).
+        requests_per_block: GPU only: as in :func:`gdfold_max.verify_ring`.
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,

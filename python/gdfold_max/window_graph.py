@@ -238,11 +238,7 @@ def recurrence(
         row_ids: ``[B]`` pool row of each request.
         input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
         column_tile: GPU only: value columns one block owns.
-        requests_per_block: GPU only: the units of work (one request on one column
-            tile of one head) a block runs in turn, on average: the grid holds
-            units / requests_per_block blocks, which claim units as they go where
-            they run more than two each (default: as many blocks as the GPU holds at
-            once).
+        requests_per_block: GPU only: as in :func:`verify_ring`.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.

@@ -171,7 +171,9 @@ def report(counters: np.ndarray, shape: FoldShape, block_columns: int, grid: int
     # Thread 0's counters, one row per block.
     table = np.array([counters[row, column:column + SM_AT + 1] for column, row in blocks], dtype=np.float64)
     if args.raw:
-        header = ",".join(["value_column", "first_token", *PHASES, "whole block", "units", "sm"])
+        # Quoted: the phases' names hold commas.
+        names = ["value_column", "first_token", *PHASES, "whole block", "units", "sm"]
+        header = ",".join(f'"{name}"' for name in names)
         rows = np.column_stack([np.array(blocks, dtype=np.float64), table[:, :TOTAL_AT + 1] * us,
                                 table[:, UNITS_AT:]])
         np.savetxt(args.raw, rows, delimiter=",", header=header, comments="", fmt="%.3f")

@@ -24,7 +24,6 @@ the wrong spans.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import statistics
 import tempfile
@@ -48,8 +47,9 @@ PHASES = (
 # Where thread 0's and thread 64's counters land among the block's first readout columns.
 WRITERS = {"thread 0": 0, "thread 64": 8}
 TOTAL_AT, UNITS_AT, SM_AT = len(PHASES), len(PHASES) + 1, len(PHASES) + 2
-# Blocks an H200 holds at once: 132 SMs of 3 (window_blocks_per_sm at tile 64, fp32).
-RESIDENT_BLOCKS = 132 * 3
+# Thread 64 writes the grid's size where thread 0 writes its SM: block 0's is read back,
+# so the report needs no copy of the launch's grid arithmetic.
+GRID_AT = WRITERS["thread 64"] + SM_AT
 
 CLOCK = '''
 
@@ -80,7 +80,7 @@ FINISH = '''
         readout[unsafe_offset=at + 5] = Float32(clock_cycles() - kernel_start)
         readout[unsafe_offset=at + 6] = Float32(step)
         var sm = inlined_assembly["mov.u32 $0, %smid;", UInt32, constraints="=r", has_side_effect=True]()
-        readout[unsafe_offset=at + 7] = Float32(sm)
+        readout[unsafe_offset=at + 7] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
 '''
 # (text to find, text to put before it, text to put after it)
 EDITS = (
@@ -128,7 +128,6 @@ def main() -> None:
 
     shape = FoldShape(num_layers=args.layers)
     block_columns = shape.num_value_heads * (shape.value_dim // args.column_tile)
-    blocks = grid_blocks(args.batch * block_columns, args.requests_per_block)
     tiling = {"column_tile": args.column_tile, "requests_per_block": args.requests_per_block}
     device = Accelerator()
     with tempfile.TemporaryDirectory() as scratch:
@@ -139,21 +138,14 @@ def main() -> None:
     model = graphs.model("fused", DType.float32, 1)
     for _ in range(3):  # the last run's counters are read
         (readout,) = model.execute(*operands)
-    report(np.asarray(readout.to(CPU()).to_numpy()), shape, block_columns, blocks, args)
+    report(np.asarray(readout.to(CPU()).to_numpy()), shape, block_columns, args)
 
 
-def grid_blocks(units: int, requests_per_block: int | None) -> int:
-    """The blocks the op launches for `units` units (window_launch.mojo, on an H200)."""
-    blocks = min(units, RESIDENT_BLOCKS) if requests_per_block is None else math.ceil(units / requests_per_block)
-    per_block = math.ceil(units / blocks)
-    return blocks if per_block > 2 else math.ceil(units / per_block)
-
-
-def report(counters: np.ndarray, shape: FoldShape, block_columns: int, grid: int,
-           args: argparse.Namespace) -> None:
+def report(counters: np.ndarray, shape: FoldShape, block_columns: int, args: argparse.Namespace) -> None:
     """Prints the phases' means, the spread of the blocks' times and how the blocks sharing
     an SM fared, from the readout the patched kernel wrote over."""
     tokens_per_request = counters.shape[0] // args.batch
+    grid = int(counters[0, GRID_AT])  # block 0 wrote at unit 0: request 0, columns 0..
 
     # Block b's first unit is unit b: request b // block_columns on column block
     # b % block_columns, whose readout starts at column (b % block_columns) * tile.

@@ -82,7 +82,7 @@ def main() -> None:
         shape = replace(shape, key_dim=args.dims[0], value_dim=args.dims[1])
     device = CPU() if args.cpu else Accelerator()
     session = InferenceSession(devices=[device])
-    pool_dtype = DType.float32 if args.dtype == "float32" else DType.bfloat16
+    pool_dtype = getattr(DType, args.dtype)
     anchor_variant, anchor_name = ("ours", "ours verify+fold") if args.cpu else ("max", "MAX verify+fold")
     started = time.perf_counter()
     anchor: StepGraphs | None = None

@@ -60,3 +60,10 @@ def test_bench_step_says_it_needs_a_gpu() -> None:
     result = runner.invoke(app, ["bench-step", "--batches", "1"])
     assert result.exit_code == 2
     assert "bench-step needs a GPU" in result.output
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-step"])
+def test_bench_refuses_an_unknown_dtype(command: str) -> None:
+    result = runner.invoke(app, [command, "--dtypes", "float32,float16", "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--dtypes" in result.output and "float16" in result.output

@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from max.dtype import DType
 
 app = typer.Typer(help="gdfold_max: the bit-exact speculative-decoding state fold for Gated DeltaNet, on MAX.",
                   no_args_is_help=True, add_completion=False)
@@ -20,6 +23,17 @@ console = Console()
 class Target(StrEnum):
     cpu = "cpu"
     gpu = "gpu"
+
+
+def _state_dtypes(dtypes: str) -> list[DType]:
+    """The pool dtypes that ``--dtypes`` names, comma-separated; any other name is refused."""
+    from max.dtype import DType
+
+    known = {"float32": DType.float32, "bfloat16": DType.bfloat16}
+    for name in dtypes.split(","):
+        if name not in known:
+            raise typer.BadParameter(f"{name!r} is not float32 or bfloat16", param_hint="--dtypes")
+    return [known[name] for name in dtypes.split(",")]
 
 
 def _bits(array: np.ndarray) -> np.ndarray:
@@ -143,14 +157,13 @@ def bench(
 ) -> None:
     """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
     from max.driver import accelerator_count
-    from max.dtype import DType
 
     from .bench import render, run_bench, write_json
 
     batch_list = [int(b) for b in batches.split(",")]
     if accelerator_count() == 0 and batches == "1,8,64,256":
         batch_list = [1, 8]
-    dtype_list = [DType.float32 if d == "float32" else DType.bfloat16 for d in dtypes.split(",")]
+    dtype_list = _state_dtypes(dtypes)
     rows = run_bench(batch_list, dtype_list, chain=chain, repeats=repeats, console=console)
     render(rows, console)
     write_json(rows, str(json_out))
@@ -174,15 +187,14 @@ def bench_step(
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused."""
     from max.driver import CPU, accelerator_count
-    from max.dtype import DType
 
     from .bench_step import render_steps, run_step_bench, write_step_json
 
+    dtype_list = _state_dtypes(dtypes)
     if device == Target.gpu and accelerator_count() == 0:
         console.print("bench-step needs a GPU for MAX's verify and fold, which have no CPU path;"
                       " --device cpu times ours and ours fused alone")
         raise typer.Exit(2)
-    dtype_list = [DType.float32 if d == "float32" else DType.bfloat16 for d in dtypes.split(",")]
     batch_list = [int(b) for b in batches.split(",")]
     tiling = {k: v for k, v in (("column_tile", column_tile), ("requests_per_block", requests_per_block))
               if v is not None}

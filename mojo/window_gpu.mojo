@@ -34,6 +34,7 @@ a grid apart.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, grid_dim, thread_idx
+from max.gpu.sync import syncwarp
 from max.gpu.host.nvidia.tma import TMADescriptor
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all, external_memory
 from max.gpu.primitives.warp import shuffle_xor
@@ -91,6 +92,10 @@ from .window_gpu_staging import (
     window_blocks_per_sm,
     window_static_bytes,
     window_tile_bytes,
+    outbox_in_record_keys,
+    OUTBOX_ROWS_PER_TOKEN,
+    WARP_THREADS,
+    COPY_FLOATS,
 )
 
 # A thread holds COLUMN_VECTOR neighbouring columns of one reduction lane: lane p's
@@ -284,7 +289,9 @@ def windows_gpu_kernel[
     comptime ARRIVED_RECORD_KEYS = CHUNK * NATURAL if FOLD_PREVIOUS else 0
     comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
     comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
-    var arrived_record_keys = shared_floats[2 * ARRIVED_RECORD_KEYS + 4]()
+    # One buffer of record keys as they arrive: a unit's are put in lane-major order
+    # before the next unit's are copied in (see start_copies).
+    var arrived_record_keys = shared_floats[ARRIVED_RECORD_KEYS + 4]()
     var record_keys = shared_floats[(CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0) + 4]()
     var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
     var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
@@ -293,6 +300,15 @@ def windows_gpu_kernel[
     var keys = shared_floats[CHUNK * LANE_MAJOR]()
     var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
     var token_scalars = shared_floats[2 * CHUNK * TOKEN_SCALARS]()
+    # A chunk's readout rows and delta rows (token c's at rows 2c and 2c + 1) wait here
+    # until the chunk's tokens are done, then leave as 16-byte stores: the token loop
+    # then holds no global addresses (registers go to the state). In a fold on load
+    # they share the lane-major record keys' buffer, which the window does not use.
+    comptime OUTBOX_FLOATS = OUTBOX_ROWS_PER_TOKEN * CHUNK * COLUMN_TILE
+    comptime OUTBOX_SHARED = outbox_in_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS]()
+    var outbox = shared_floats[(0 if OUTBOX_SHARED else OUTBOX_FLOATS) + 4]()
+    comptime if OUTBOX_SHARED:
+        outbox = record_keys
     var plan_ids = stack_allocation[
         PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
     ]()
@@ -399,26 +415,41 @@ def windows_gpu_kernel[
                     state_tile, state, head_state_at(plan, place), tid
                 )
 
+    # Starts copying a unit's first records: keys into their one buffer, deltas and
+    # decays into buffer `buffer`.
+    @always_inline
+    def start_record_copies(plan: RequestPlan, place: UnitPlace, buffer: Int) {imm}:
+        comptime if FOLD_PREVIOUS:
+            if plan.runs and plan.accepted > 0:
+                copy_records_async[K, V, COLUMN_TILE, THREADS](
+                    arrived_record_keys,
+                    record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
+                    record_decays.unsafe_offset(buffer * RECORD_DECAYS),
+                    ring,
+                    previous_records_at(plan, place),
+                    min(CHUNK, plan.accepted), record_stride, group_size,
+                    place.group_slot, place.tile_start, tid,
+                )
+
+    # Whether a unit folds its records in more than one chunk: those chunks pass through
+    # the keys' one buffer, so the next unit's records are copied after its fold.
+    @always_inline
+    def folds_in_chunks(plan: RequestPlan) {imm} -> Bool:
+        comptime if FOLD_PREVIOUS:
+            return plan.runs and plan.accepted > CHUNK
+        return False
+
     # Starts every copy a unit needs first, into buffer `buffer`; the state tile's only
-    # when `with_tile`.
+    # when `with_tile`, the records' only when `with_records`.
     @always_inline
     def start_copies(
-        plan: RequestPlan, place: UnitPlace, buffer: Int, with_tile: Bool
+        plan: RequestPlan, place: UnitPlace, buffer: Int, with_tile: Bool, with_records: Bool
     ) {imm}:
         if plan.runs:
             if with_tile:
                 start_tile_copy(plan, place)
-            comptime if FOLD_PREVIOUS:
-                if plan.accepted > 0:
-                    copy_records_async[K, V, COLUMN_TILE, THREADS](
-                        arrived_record_keys.unsafe_offset(buffer * ARRIVED_RECORD_KEYS),
-                        record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
-                        record_decays.unsafe_offset(buffer * RECORD_DECAYS),
-                        ring,
-                        previous_records_at(plan, place),
-                        min(CHUNK, plan.accepted), record_stride, group_size,
-                        place.group_slot, place.tile_start, tid,
-                    )
+            if with_records:
+                start_record_copies(plan, place, buffer)
             copy_tokens_async[K, V, COLUMN_TILE, THREADS](
                 token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL),
                 token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
@@ -440,14 +471,6 @@ def windows_gpu_kernel[
     def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
         return lane_values.unsafe_load[width=4, alignment=16](4 * j)
 
-    # Writes a token's key, as it arrived (natural order), to the ring at `at`.
-    @always_inline
-    def store_raw_key(at: Int, arrived_key: SharedFloats) {imm}:
-        for vector in range(tid, K // 4, THREADS):
-            ring.unsafe_store[alignment=16](
-                at + vector * 4, arrived_key.unsafe_load[width=4, alignment=16](vector * 4)
-            )
-
     # The first unit's ids, and the second unit, which no block has to wait to claim.
     write_ids(0, read_ids(unit))
     if tid == unit_claimer[THREADS]():
@@ -456,7 +479,7 @@ def windows_gpu_kernel[
         if tid == 0:
             init_barrier(tile_arrived)
     barrier()
-    start_copies(plan_of(0), place_of_unit(unit), 0, True)
+    start_copies(plan_of(0), place_of_unit(unit), 0, True, True)
     var step = 0  # the block's units so far
     while unit < units:
         locate(divide(unit, block_columns)[1])
@@ -494,8 +517,7 @@ def windows_gpu_kernel[
             if first_count > 0 or first_records > 0:
                 stage_lane_major[K, THREADS, FOLD_PREVIOUS](
                     pairs, queries, keys, first_count, scalars,
-                    arrived_record_keys.unsafe_offset(buffer * ARRIVED_RECORD_KEYS),
-                    record_keys, first_records, tid,
+                    arrived_record_keys, record_keys, first_records, tid,
                 )
             comptime for m in range(ROWS):
                 held[m] = state_tile.unsafe_load[
@@ -515,7 +537,10 @@ def windows_gpu_kernel[
         var next_place = place_of_unit(next)
         if next < units:
             var next_plan = plan_of(1 - buffer)
-            start_copies(next_plan, next_place, 1 - buffer, not stores_through_tile(plan))
+            start_copies(
+                next_plan, next_place, 1 - buffer, not stores_through_tile(plan),
+                not folds_in_chunks(plan),
+            )
             # Its tile is copied in only after the fold (3.), but L2 can fetch it now,
             # while the block folds and stores: the copy then finds it there (4.5% off
             # a layer at batch 64). Fetching the tile after it instead is slower than
@@ -531,6 +556,65 @@ def windows_gpu_kernel[
         def store_readout(token: Int, o: Float32) {imm}:
             if (lane & 1) == 0:
                 readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
+
+        # Token c of the chunk: one lane of each column leaves its readout in the outbox.
+        @always_inline
+        def post_readout(c: Int, o: Float32) {imm}:
+            if (lane & 1) == 0:
+                outbox[unsafe_offset=2 * c * COLUMN_TILE + tile_column + slot] = o
+
+        # Sends a chunk's outbox on to the readout and the ring: each warp the columns
+        # it wrote, so that it waits for itself alone; the raw keys and decays come
+        # from the staged tokens.
+        @always_inline
+        def send_outbox(
+            plan: RequestPlan, chunk_start: Int, count: Int, record_row_base: Int
+        ) {imm}:
+            # The block is whole warps, or one warp at most (window_launch.mojo).
+            comptime WARP_LANES = min(WARP_THREADS, THREADS)
+            comptime WARP_COLUMNS = WARP_LANES // REDUCTION_LANES * COLUMN_VECTOR
+            comptime ROW_VECTORS = WARP_COLUMNS // COPY_FLOATS
+            var records = RECORD and not plan.commit
+            # Every row, or only the readout rows where nothing is recorded.
+            var row_step = 1 if records else 2
+            var warp_lane = remainder[WARP_LANES](tid)
+            var warp_column = quotient[WARP_LANES](tid) * WARP_COLUMNS
+            syncwarp()  # the warp's own readouts and deltas are in the outbox
+            for i in range(warp_lane, count * (2 // row_step) * ROW_VECTORS, WARP_LANES):
+                var row = quotient[ROW_VECTORS](i) * row_step
+                var in_tile = warp_column + remainder[ROW_VECTORS](i) * COPY_FLOATS
+                var c = row >> 1
+                var vector = outbox.unsafe_load[width=COPY_FLOATS, alignment=16](
+                    row * COLUMN_TILE + in_tile
+                )
+                if (row & 1) == 0:
+                    readout.unsafe_store[alignment=16](
+                        (chunk_start + c) * readout_width + value_head * V + tile_start + in_tile,
+                        vector,
+                    )
+                else:
+                    var record = (record_row_base + chunk_start + c - plan.start) * record_stride
+                    ring.unsafe_store[alignment=16](
+                        record + delta_offset[K, V](group_slot) + tile_start + in_tile, vector
+                    )
+            comptime if RECORD:
+                if records and tile == 0:
+                    var first = (record_row_base + chunk_start - plan.start) * record_stride
+                    if tid < count:
+                        ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
+                            group_size, group_slot
+                        )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
+                    if group_slot == 0:
+                        comptime KEY_VECTORS = K // COPY_FLOATS
+                        for i in range(tid, count * KEY_VECTORS, THREADS):
+                            var c = quotient[KEY_VECTORS](i)
+                            var at = remainder[KEY_VECTORS](i) * COPY_FLOATS
+                            ring.unsafe_store[alignment=16](
+                                first + c * record_stride + key_offset() + at,
+                                pairs.unsafe_load[width=COPY_FLOATS, alignment=16](
+                                    (2 * c + 1) * NATURAL + at
+                                ),
+                            )
 
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
@@ -555,9 +639,7 @@ def windows_gpu_kernel[
             if plan.accepted > 0:
                 changed = True
                 var record_row = previous_records_at(plan, here)
-                var arrived_keys = arrived_record_keys.unsafe_offset(
-                    buffer * ARRIVED_RECORD_KEYS
-                )
+                var arrived_keys = arrived_record_keys
                 var rdeltas = record_deltas.unsafe_offset(buffer * RECORD_DELTAS)
                 var rdecays = record_decays.unsafe_offset(buffer * RECORD_DECAYS)
                 for chunk_start in range(0, plan.accepted, CHUNK):
@@ -589,6 +671,11 @@ def windows_gpu_kernel[
                                 held[4 * j + e] = fma(
                                     Columns(k4[e]), u, held[4 * j + e] * d
                                 )
+                if folds_in_chunks(plan) and next < units:
+                    # The last chunk's keys are in lane-major order: the keys' buffer is
+                    # free for the next unit's.
+                    start_record_copies(plan_of(1 - buffer), next_place, 1 - buffer)
+                    async_copy_commit_group()
                 # What a separate fold leaves in the pool, and what a verify reads back.
                 var stored = rounded_to[state_dtype](held)
                 comptime for m in range(ROWS):
@@ -618,6 +705,9 @@ def windows_gpu_kernel[
                                 start_tile_copy(plan_of(1 - buffer), next_place)
                     else:
                         store_state(stored)
+                comptime if OUTBOX_SHARED:
+                    if not stores_through_tile(plan):
+                        barrier()  # every thread is done with the record keys
 
         # 4. The window, WINDOW_CHUNK tokens at a time.
         var record_row_base = (plan.ring_row * num_key_heads + key_head) * RING_LEN
@@ -671,24 +761,14 @@ def windows_gpu_kernel[
                         held[4 * j + e] = fma(Columns(k4[e]), u_columns, held[4 * j + e])
                         out = fma(held[4 * j + e], Columns(q4[e]), out)
                 pending_out = out
-                var t = chunk_start + c
                 if c > 0:
-                    store_readout(t - 1, previous_o)
+                    post_readout(c - 1, previous_o)
                 comptime if RECORD:
-                    if not plan.commit:
-                        var record = (record_row_base + t - plan.start) * record_stride
-                        if (lane & 1) == 0:
-                            ring[unsafe_offset=record + delta_offset[K, V](group_slot) + column + slot] = u
-                        if tile == 0:
-                            if tid == 0:
-                                ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
-                            if group_slot == 0:
-                                store_raw_key(
-                                    record + key_offset(),
-                                    pairs.unsafe_offset((2 * c + 1) * NATURAL),
-                                )
+                    if (lane & 1) == 0:
+                        outbox[unsafe_offset=(2 * c + 1) * COLUMN_TILE + tile_column + slot] = u
             if count > 0:
-                store_readout(chunk_start + count - 1, column_sum(pending_out, lane))
+                post_readout(count - 1, column_sum(pending_out, lane))
+            send_outbox(plan, chunk_start, count, record_row_base)
 
         # 5. A forward, or a window too long for the ring, commits the state.
         if plan.commit and changed:

@@ -51,8 +51,8 @@ comptime SM_SHARED_BYTES = 228 * 1024
 comptime BLOCK_SHARED_MAX = 227 * 1024
 comptime BLOCK_SHARED_RESERVED = 1024
 # Registers of one SM, and the most a thread of the window kernel gets: 168, so 3
-# blocks per SM. At 128 (4 blocks) ptxas spills about 110 bytes per thread, which
-# measured 24% slower on an H200 (bench/window-tuning-h200-2026-11-29.txt).
+# blocks per SM. At 128 (4 blocks) ptxas spills 64 to 110 bytes per thread, and four
+# blocks measured 24% to 48% slower on an H200 (bench/window-tuning-h200-2026-11-29.txt).
 comptime SM_REGISTERS = 65536
 comptime THREAD_REGISTERS = 168
 
@@ -99,16 +99,33 @@ def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
     """Static shared memory of one block of the window kernel: tokens, records, ids."""
     comptime LANE_MAJOR = lane_major_floats[K]()
     comptime NATURAL = natural_pitch[K]()
-    var floats = 4 * 4  # the four record buffers' minimum size, when nothing is folded
+    var floats = 5 * 4  # the five record and outbox buffers' minimum size
     if FOLD_PREVIOUS:
-        # Two buffers of records as they arrive, keys lane-major once.
-        floats += 2 * WINDOW_CHUNK * (NATURAL + COLUMN_TILE + 1) + WINDOW_CHUNK * LANE_MAJOR
+        # Records as they arrive: one buffer of keys, two of deltas and decays; the
+        # keys lane-major once.
+        floats += WINDOW_CHUNK * NATURAL + 2 * WINDOW_CHUNK * (COLUMN_TILE + 1)
+        floats += WINDOW_CHUNK * LANE_MAJOR
+    if not outbox_in_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS]():
+        floats += OUTBOX_ROWS_PER_TOKEN * WINDOW_CHUNK * COLUMN_TILE
     # Two buffers of tokens as they arrive (q and k, the tile's values, the scalars),
     # q and k lane-major once.
     floats += 2 * WINDOW_CHUNK * (2 * NATURAL + COLUMN_TILE + TOKEN_SCALARS)
     floats += WINDOW_CHUNK * 2 * LANE_MAJOR
     floats += PLAN_FIELDS * PLAN_SLOTS + PLAN_SLOTS  # the units' ids and requests' ids
     return 4 * floats
+
+
+# Rows a token leaves in the window kernel's outbox: its readout and its delta row.
+comptime OUTBOX_ROWS_PER_TOKEN = 2
+
+
+def outbox_in_record_keys[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Bool:
+    """Whether the window's outbox fits in the lane-major record keys' buffer, which
+    only the fold uses."""
+    return FOLD_PREVIOUS and (
+        WINDOW_CHUNK * lane_major_floats[K]()
+        >= OUTBOX_ROWS_PER_TOKEN * WINDOW_CHUNK * COLUMN_TILE
+    )
 
 
 def window_tile_bytes[state_dtype: DType, K: Int, COLUMN_TILE: Int]() -> Int:
@@ -550,6 +567,11 @@ def stage_lane_major[
     comptime RECORD_UNITS = WINDOW_CHUNK * REDUCTION_LANES if FOLD_PREVIOUS else 0
     comptime UNITS = TOKEN_UNITS + RECORD_UNITS
     comptime assert TOKEN_UNITS % WARP_THREADS == 0, "a warp holds token units or none"
+    # A pass of the block then starts on a warp boundary, so each warp's units are of
+    # one kind and its shuffles run on every lane (a block of 48 threads hung).
+    comptime assert (
+        THREADS % WARP_THREADS == 0 or WARP_THREADS % THREADS == 0
+    ), "a block is whole warps, or one warp at most"
     comptime scale = query_scale[K]()
 
     @always_inline

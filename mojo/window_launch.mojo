@@ -131,12 +131,14 @@ def run_windows[
 ) raises:
     """Checks every operand, then runs each request's window (see window_cpu/gpu)."""
     check_head_dims[K, V, RING_LEN]()
-    # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a time.
+    # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
+    # time, and its blocks (two threads per column) are whole warps or one warp at most.
     comptime assert (
         COLUMN_TILE >= COPY_FLOATS
         and COLUMN_TILE % COPY_FLOATS == 0
         and V % COLUMN_TILE == 0
-    ), "COLUMN_TILE must be a multiple of 4 that divides V"
+        and (COLUMN_TILE <= 16 and 16 % COLUMN_TILE == 0 or COLUMN_TILE % 16 == 0)
+    ), "COLUMN_TILE must be 4, 8, 16 or a multiple of 16 that divides V"
     comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"
     var num_value_heads = state_dims[1]
     var num_key_heads: Int

@@ -218,3 +218,13 @@ def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | Non
     case = random_window_case(11, num_value_heads=2, num_key_heads=1, key_dim=256, value_dim=256,
                               state_dtype=state_dtype)
     assert_verify_matches_reference(runner, case)
+
+
+
+# A tile of three whole warps that is no power of two (V = 96: 48 columns by default,
+# 96 threads), the kind of block whose warps the staging must not split.
+@pytest.mark.gpu
+def test_gpu_three_warp_tile_matches_reference() -> None:
+    runner = WindowRunner("gpu", requests_per_block=3)
+    case = random_window_case(13, windows=[4, 0, 1, 6, 2, 3, 4], key_dim=64, value_dim=96)
+    assert_verify_matches_reference(runner, case)

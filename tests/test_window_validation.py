@@ -160,7 +160,7 @@ def test_graph_build_errors_name_the_argument() -> None:
     with Graph("bad", input_types=types, custom_extensions=[kernels_path()]) as graph:
         qkv, decay, beta, pool, ring, rows, ring_rows, offsets, table_2d, qkv_half, qkv_wide = (
             x.tensor if isinstance(x.type, TensorType) else x.buffer for x in graph.inputs)
-        with pytest.raises(ValueError, match="column_tile: 24 must be a multiple of 4 that divides V=64"):
+        with pytest.raises(ValueError, match="column_tile: 24 must be 4, 8, 16 or a multiple of 16, and divide V=64"):
             verify_ring(qkv, decay, beta, pool, ring, rows, ring_rows, offsets, column_tile=24)
         with pytest.raises(ValueError, match="requests_per_block: 0 must be at least 1"):
             recurrence(qkv, decay, beta, pool, rows, offsets, requests_per_block=0)
@@ -188,6 +188,22 @@ def test_gpu_tiling_defaults_and_explicit_values() -> None:
     assert gpu_tiling(f32, 64, 64, 16, 3) == {"COLUMN_TILE": 16, "REQUESTS_PER_BLOCK": 3}
     with pytest.raises(ValueError, match="requests_per_block: -1 must be at least 1"):
         gpu_tiling(f32, 64, 64, None, -1)
+
+
+@pytest.mark.parametrize(("value_dim", "column_tile"), [(96, 24), (96, 12), (40, 40), (120, 20)])
+def test_gpu_tiles_that_split_a_warp_are_refused(value_dim: int, column_tile: int) -> None:
+    """A block holds two threads per column: 24 columns make 48 threads, a warp and a
+    half, and such a block never finished on an H200. The tile must be 4, 8, 16 or a
+    multiple of 16; where the caller names none, the widest of those that divides V."""
+    from max.dtype import DType
+
+    from gdfold_max.window_graph import gpu_tiling
+
+    with pytest.raises(ValueError, match=f"column_tile: {column_tile} must be 4, 8, 16 or a multiple of 16,"
+                                         f" and divide V={value_dim}"):
+        gpu_tiling(DType.float32, 64, value_dim, column_tile, None)
+    default = gpu_tiling(DType.float32, 64, value_dim, None, None)["COLUMN_TILE"]
+    assert default == {96: 48, 40: 8, 120: 8}[value_dim]
 
 
 # Each case as the kernel's own compile-time check decides it (mojo build for sm_90).

@@ -153,7 +153,8 @@ class WindowRunner(CompiledGraphs):
 
     Args:
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
-        column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
+        column_tile: GPU only: value columns one block owns (4, 8, 16 or a multiple of 16
+            that divides V).
         requests_per_block: GPU only: as in :func:`gdfold_max.verify_ring`.
     """
 

@@ -18,11 +18,14 @@ VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
 
-#: Value columns one GPU block owns, at most (a multiple of 4 dividing V). A block
-#: stages a K x tile slice of the state in dynamic shared memory; at K=128 and an
-#: fp32 pool, 64 columns (128 threads of 4 columns x 8 reduction lanes) let three
-#: blocks share an SM.
+#: Value columns one GPU block owns, at most. A block stages a K x tile slice of the
+#: state in dynamic shared memory; at K=128 and an fp32 pool, 64 columns (128 threads
+#: of 4 columns x 8 reduction lanes) let three blocks share an SM.
 PREFERRED_COLUMN_TILE = 64
+
+#: Threads of a GPU warp. A block of the window kernel holds two threads per column,
+#: and its warps must each be whole or the block's only one (see _check_column_tile).
+WARP_THREADS = 32
 
 #: ``requests_per_block`` passed to the op when the caller names none: the op then
 #: sizes the grid to the blocks the GPU holds at once, and they work through the units
@@ -31,26 +34,36 @@ PREFERRED_COLUMN_TILE = 64
 AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
 
+def _tile_makes_whole_warps(tile: int) -> bool:
+    """Whether a block of ``2 * tile`` threads is whole warps, or one warp at most.
+    The kernel stages a unit's q, k and record keys a warp at a time, each warp on one
+    kind of unit; a block of 48 threads (24 columns) split its second warp between
+    kinds, and the kernel never finished on an H200."""
+    threads = 2 * tile
+    return threads % WARP_THREADS == 0 or WARP_THREADS % threads == 0
+
+
 def default_column_tile(value_dim: int) -> int:
-    """The GPU column tile used when the caller names none: the widest multiple of 4
-    that divides V, up to 64 columns. On an H200 64 was fastest at K = 128 and at
-    K = 256 alike (bench/window-tuning-h200-2026-11-29.txt).
+    """The GPU column tile used when the caller names none: the widest that divides V,
+    up to 64 columns, among 4, 8, 16 and the multiples of 16 (_check_column_tile). On
+    an H200 64 was fastest at K = 128 and at K = 256 alike
+    (bench/window-tuning-h200-2026-11-29.txt).
 
     >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
-    (64, 48, 40)
+    (64, 48, 8)
     >>> default_column_tile(256)
     64
     """
     tile = min(PREFERRED_COLUMN_TILE, value_dim)
-    while value_dim % tile != 0 or tile % 4 != 0:
+    while value_dim % tile != 0 or tile % 4 != 0 or not _tile_makes_whole_warps(tile):
         tile -= 4
     return tile
 
 
 def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
     tile = default_column_tile(value_dim) if column_tile is None else column_tile
-    if tile < 4 or tile % 4 != 0 or value_dim % tile != 0:
-        raise ValueError(f"column_tile: {tile} must be a multiple of 4 that divides V={value_dim}")
+    if tile < 4 or tile % 4 != 0 or value_dim % tile != 0 or not _tile_makes_whole_warps(tile):
+        raise ValueError(f"column_tile: {tile} must be 4, 8, 16 or a multiple of 16, and divide V={value_dim}")
     return tile
 
 
@@ -161,7 +174,8 @@ def verify_ring(
         previous_ring_row_ids: ``[B]``, fold on load: ring rows of the previous step.
         previous_num_accepted: ``[B]``, fold on load: records to fold per request (0 or
             more than RING_LEN fold nothing).
-        column_tile: GPU only: value columns one block owns (a multiple of 4 dividing V).
+        column_tile: GPU only: value columns one block owns (4, 8, 16 or a multiple of 16
+            that divides V).
         requests_per_block: GPU only: the units of work (one request on one column
             tile of one head) a block runs in turn, on average: the grid holds
             units / requests_per_block blocks, which claim units as they go where

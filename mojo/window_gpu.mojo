@@ -20,9 +20,11 @@ Per unit, the block
    state element once. The folded state goes back into the staged tile and leaves as
    tensor boxes (the copy engine, not the warps, waits on memory); the next unit's
    tile comes in as soon as the copy engine has read it out;
-4. runs the window token by token, writing the readout and, for a verify, the ring
-   records; a forward, or a window longer than the ring, writes the state instead.
-   A token's readout sums finish while the next token computes.
+4. runs the window token by token; a token's readout sums finish while the next token
+   computes. Its readout and, for a verify, its delta row wait in a shared-memory
+   outbox, and each warp sends its columns on as 16-byte stores after a chunk of
+   tokens, with the ring records' keys and decays. A forward, or a window longer than
+   the ring, writes the state instead of records.
 
 The grid holds as many blocks as the GPU runs at once, each working through several
 units, so the copies of one unit overlap the arithmetic of another. A block runs the
@@ -267,7 +269,7 @@ def windows_gpu_kernel[
         slot = column_slot(lane)
 
     # Shared memory. Records and tokens have two buffers: one being computed on, one
-    # being filled for the next unit. The state tile has one, in dynamic shared
+    # being filled for the next unit (the records' keys one, see below). The state tile has one, in dynamic shared
     # memory (window_tile_bytes): it is moved to registers, and a folded state has left
     # it, before the next unit's tile is copied in.
     var state_tile = external_memory[

@@ -269,9 +269,9 @@ def windows_gpu_kernel[
         slot = column_slot(lane)
 
     # Shared memory. Records and tokens have two buffers: one being computed on, one
-    # being filled for the next unit (the records' keys one, see below). The state tile has one, in dynamic shared
-    # memory (window_tile_bytes): it is moved to registers, and a folded state has left
-    # it, before the next unit's tile is copied in.
+    # being filled for the next unit (the records' keys have one, see below). The state
+    # tile has one, in dynamic shared memory (window_tile_bytes): it is moved to
+    # registers, and a folded state has left it, before the next unit's tile is copied in.
     var state_tile = external_memory[
         Scalar[state_dtype], address_space=AddressSpace.SHARED, alignment=16
     ]()

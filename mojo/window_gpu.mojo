@@ -559,11 +559,12 @@ def windows_gpu_kernel[
             if (lane & 1) == 0:
                 readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
 
-        # Token c of the chunk: one lane of each column leaves its readout in the outbox.
+        # One lane of each column leaves its value in outbox row `row` (token c's
+        # readout at row 2c, its delta at 2c + 1).
         @always_inline
-        def post_readout(c: Int, o: Float32) {imm}:
+        def post(row: Int, value: Float32) {imm}:
             if (lane & 1) == 0:
-                outbox[unsafe_offset=2 * c * COLUMN_TILE + tile_column + slot] = o
+                outbox[unsafe_offset=row * COLUMN_TILE + tile_column + slot] = value
 
         # Sends a chunk's outbox on to the readout and the ring: each warp the columns
         # it wrote, so that it waits for itself alone; the raw keys and decays come
@@ -572,7 +573,7 @@ def windows_gpu_kernel[
         def send_outbox(
             plan: RequestPlan, chunk_start: Int, count: Int, record_row_base: Int
         ) {imm}:
-            # The block is whole warps, or one warp at most (window_launch.mojo).
+            # The block is whole warps, or one warp at most (whole_warps).
             comptime WARP_LANES = min(WARP_THREADS, THREADS)
             comptime WARP_COLUMNS = WARP_LANES // REDUCTION_LANES * COLUMN_VECTOR
             comptime ROW_VECTORS = WARP_COLUMNS // COPY_FLOATS
@@ -764,12 +765,11 @@ def windows_gpu_kernel[
                         out = fma(held[4 * j + e], Columns(q4[e]), out)
                 pending_out = out
                 if c > 0:
-                    post_readout(c - 1, previous_o)
+                    post(2 * (c - 1), previous_o)
                 comptime if RECORD:
-                    if (lane & 1) == 0:
-                        outbox[unsafe_offset=(2 * c + 1) * COLUMN_TILE + tile_column + slot] = u
+                    post(2 * c + 1, u)
             if count > 0:
-                post_readout(count - 1, column_sum(pending_out, lane))
+                post(2 * (count - 1), column_sum(pending_out, lane))
             send_outbox(plan, chunk_start, count, record_row_base)
 
         # 5. A forward, or a window too long for the ring, commits the state.

@@ -164,6 +164,13 @@ def staged_at[state_dtype: DType, K: Int, COLUMN_TILE: Int](row: Int, column: In
     return row * state_tile_pitch[state_dtype, COLUMN_TILE]() + column
 
 
+def whole_warps[THREADS: Int]() -> Bool:
+    """Whether a block of THREADS threads is whole warps, or one warp at most: the
+    staging then hands each warp one kind of unit (stage_lane_major), and the outbox
+    is sent a warp at a time (window_gpu.mojo). A block of 48 threads hung."""
+    return THREADS % WARP_THREADS == 0 or WARP_THREADS % THREADS == 0
+
+
 def window_blocks_per_sm[
     state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, THREADS: Int
 ]() -> Int:
@@ -568,10 +575,8 @@ def stage_lane_major[
     comptime UNITS = TOKEN_UNITS + RECORD_UNITS
     comptime assert TOKEN_UNITS % WARP_THREADS == 0, "a warp holds token units or none"
     # A pass of the block then starts on a warp boundary, so each warp's units are of
-    # one kind and its shuffles run on every lane (a block of 48 threads hung).
-    comptime assert (
-        THREADS % WARP_THREADS == 0 or WARP_THREADS % THREADS == 0
-    ), "a block is whole warps, or one warp at most"
+    # one kind and its shuffles run on every lane.
+    comptime assert whole_warps[THREADS](), "a block is whole warps, or one warp at most"
     comptime scale = query_scale[K]()
 
     @always_inline

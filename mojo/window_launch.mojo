@@ -19,6 +19,7 @@ from .window_gpu_staging import (
     COPY_FLOATS,
     box_columns,
     tile_in_boxes,
+    whole_warps,
     window_blocks_per_sm,
     window_tile_bytes,
 )
@@ -137,7 +138,7 @@ def run_windows[
         COLUMN_TILE >= COPY_FLOATS
         and COLUMN_TILE % COPY_FLOATS == 0
         and V % COLUMN_TILE == 0
-        and (COLUMN_TILE <= 16 and 16 % COLUMN_TILE == 0 or COLUMN_TILE % 16 == 0)
+        and whole_warps[window_block_threads[COLUMN_TILE]()]()
     ), "COLUMN_TILE must be 4, 8, 16 or a multiple of 16 that divides V"
     comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"
     var num_value_heads = state_dims[1]

@@ -30,10 +30,11 @@ def _state_dtypes(dtypes: str) -> list[DType]:
     from max.dtype import DType
 
     known = {"float32": DType.float32, "bfloat16": DType.bfloat16}
-    for name in dtypes.split(","):
+    names = dtypes.split(",")
+    for name in names:
         if name not in known:
             raise typer.BadParameter(f"{name!r} is not float32 or bfloat16", param_hint="--dtypes")
-    return [known[name] for name in dtypes.split(",")]
+    return [known[name] for name in names]
 
 
 def _bits(array: np.ndarray) -> np.ndarray:

@@ -33,16 +33,20 @@ def _permuted_pitch(key_dim: int) -> int:
     return (vectors + 1 if vectors % 2 == 0 else vectors) * COPY_FLOATS
 
 
+def _lane_major_floats(key_dim: int) -> int:
+    return REDUCTION_LANES * _permuted_pitch(key_dim)
+
+
 def _outbox_in_record_keys(key_dim: int, column_tile: int, *, fold_on_load: bool) -> bool:
-    lane_major = REDUCTION_LANES * _permuted_pitch(key_dim)
-    return fold_on_load and WINDOW_CHUNK * lane_major >= OUTBOX_ROWS_PER_TOKEN * WINDOW_CHUNK * column_tile
+    outbox = OUTBOX_ROWS_PER_TOKEN * WINDOW_CHUNK * column_tile
+    return fold_on_load and WINDOW_CHUNK * _lane_major_floats(key_dim) >= outbox
 
 
 def static_bytes(key_dim: int, column_tile: int, *, fold_on_load: bool) -> int:
     """Tokens, records, the units' ids and their requests' ids (two buffers as they
     arrive, one lane-major; the record keys arrive in one), and the outbox of
     readout and delta rows where it does not share the record keys' buffer."""
-    lane_major = REDUCTION_LANES * _permuted_pitch(key_dim)
+    lane_major = _lane_major_floats(key_dim)
     natural = key_dim + 2 * COPY_FLOATS
     floats = 5 * 4
     if fold_on_load:

@@ -52,7 +52,7 @@ comptime BLOCK_SHARED_MAX = 227 * 1024
 comptime BLOCK_SHARED_RESERVED = 1024
 # Registers of one SM, and the most a thread of the window kernel gets: 168, so 3
 # blocks per SM. At 128 (4 blocks) ptxas spills 64 to 110 bytes per thread, and four
-# blocks measured 24% to 48% slower on an H200 (bench/window-tuning-h200-2026-11-29.txt).
+# blocks measured 24% to 48% slower on an H200 (docs/tuning-log.md).
 comptime SM_REGISTERS = 65536
 comptime THREAD_REGISTERS = 168
 

@@ -25,6 +25,24 @@ from .window_gpu_staging import (
 )
 
 
+# The window kernel's tensor-box copies, bulk copies and mbarriers are sm_90 (Hopper)
+# instructions, and it was tuned and tested on an H200 only.
+comptime WINDOW_GPU_API = "cuda"
+comptime WINDOW_GPU_CAPABILITY_MAJOR = 9
+
+
+def check_window_gpu(ctx: DeviceContext) raises:
+    """Refuses, before anything is enqueued, a GPU the window kernel does not run on."""
+    var api = ctx.api()
+    var capability = ctx.compute_capability()
+    if api != WINDOW_GPU_API or capability // 10 != WINDOW_GPU_CAPABILITY_MAJOR:
+        raise Error(
+            t"gdfold verify and forward: the GPU path needs an NVIDIA Hopper GPU (CUDA"
+            t" compute capability 9.x, e.g. H100, H200); this device is {api} with compute"
+            t" capability {capability}. Run the op on the CPU instead."
+        )
+
+
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
     """The key head count nk from the width of qkv, `2*nk*K + nv*V`, when no ring tells it."""
     var rest = qkv_width - num_value_heads * V
@@ -180,6 +198,8 @@ def run_windows[
         check_length(
             "previous_num_accepted", previous_accepted_len, batch, "the batch of row_ids"
         )
+    comptime if target == "gpu":
+        check_window_gpu(ctx)
     if batch == 0 or num_value_heads == 0:
         return
     var num_rows = state_dims[0]
@@ -222,7 +242,7 @@ def run_windows[
         # the launch, so that the blocks that run faster take more and all end together
         # (2.0 us off a fused layer at batch 64 on an H200, 4.2 at 256). At two units or
         # fewer per block there is little to even out, and allocating and zeroing the
-        # counter alone costs 1.5 us at batch 1 (bench/window-tuning-h200-2026-11-29.txt):
+        # counter alone costs 1.5 us at batch 1 (docs/tuning-log.md):
         # the units are then shared out evenly, each block running those a grid apart.
         var per_block = ceildiv(units, blocks)
         var claims = per_block > 2

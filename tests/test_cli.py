@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,24 @@ runner = CliRunner()
 def test_help_lists_every_command() -> None:
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("demo", "check", "record", "bench", "bench-step"):
-        assert command in result.output
+    # Each command's own line: its name first in the commands box, then its description.
+    listed = {m.group(1): m.group(2) for m in re.finditer(r"^│ (\S+) +(\S.*?) *│$", result.output, flags=re.M)}
+    assert listed.keys() >= {"demo", "check", "record", "bench", "bench-step"}
+    assert listed["demo"].startswith("Fold a random verify step")
+    assert listed["check"].startswith("Fold a recorded case")
+    assert listed["record"].startswith("Write a recorded case")
+    assert listed["bench"].startswith("Time our fold")
+    assert listed["bench-step"].startswith("Time one decoding step")
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The body rows of the rich table ``check`` prints, cell by cell."""
+    rows = []
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(cells) == 7 and cells[0].isdigit():
+            rows.append(cells)
+    return rows
 
 
 def test_record_then_check_passes(tmp_path: Path) -> None:
@@ -49,7 +66,15 @@ def test_check_reports_a_mismatch(tmp_path: Path) -> None:
     result = runner.invoke(app, ["check", str(path)])
     assert result.exit_code == 1
     assert "mismatch" in result.output
-    assert " 3 " in result.output  # three elements differ in that row
+    rows = table_rows(result.output)
+    assert len(rows) == case.row_ids.size
+    for layer, request, pool_row, _accepted, match, differing, largest in rows:
+        if (int(layer), int(request)) == (1, 0):
+            # The tampered row, and only it: three elements, one ulp each.
+            assert (int(pool_row), match, differing) == (row, "no", "3")
+            assert float(largest) > 0
+        else:
+            assert (match, differing, largest) == ("yes", "0", "0"), (layer, request)
 
 
 def test_bench_step_says_it_needs_a_gpu() -> None:

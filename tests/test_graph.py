@@ -85,3 +85,23 @@ def test_verify_width_zero_adds_nothing() -> None:
 def test_bad_static_shapes_raise_at_build(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _build(**kwargs)
+
+
+@pytest.mark.parametrize(("state_dtype", "key_dim_tile", "rows_per_thread", "threads"), [
+    (DType.float32, 128, 1, 4096),
+    (DType.bfloat16, 128, 1, 2048),
+    (DType.float32, 64, 1, 2048),
+])
+def test_fold_blocks_past_1024_threads_are_refused_at_build(state_dtype: DType, key_dim_tile: int,
+                                                            rows_per_thread: int, threads: int) -> None:
+    """The GPU launch would fail on such a block; the graph refuses it when it is built."""
+    with pytest.raises(ValueError, match=rf"key_dim_tile, rows_per_thread: \({key_dim_tile}, {rows_per_thread}\)"
+                                         rf" makes GPU blocks of {threads} threads"):
+        _build(state=(8, 4, 128, 128), state_dtype=state_dtype, ring=(8, 2, 4, 416), key_dim_tile=key_dim_tile,
+               rows_per_thread=rows_per_thread)
+
+
+def test_fold_blocks_of_1024_threads_build() -> None:
+    """(128, 4) on an fp32 pool of V = 128: 32 column threads x 32 row threads, the most a block holds."""
+    assert FOLD_OP_NAME in str(_build(state=(8, 4, 128, 128), ring=(8, 2, 4, 416), key_dim_tile=128,
+                                      rows_per_thread=4))

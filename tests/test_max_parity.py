@@ -87,7 +87,7 @@ def test_our_fold_equals_max_fold_and_forward(state_dtype_name: str, ring_len: i
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
-    from gdfold_max.eager import _copy_back, _host_buffer
+    from gdfold_max.eager_base import copy_back, host_buffer
 
     device = Accelerator()
     state_dtype = DType.float32 if state_dtype_name == "float32" else DType.bfloat16
@@ -111,7 +111,7 @@ def test_our_fold_equals_max_fold_and_forward(state_dtype_name: str, ring_len: i
     model = InferenceSession(devices=[device]).load(graph)
 
     def up(array: np.ndarray) -> Buffer:
-        return _host_buffer(np.ascontiguousarray(array)).to(device)
+        return host_buffer(np.ascontiguousarray(array)).to(device)
 
     pools = [up(state_in) for _ in range(3)]
     ring_buffer = up(ring)
@@ -127,7 +127,7 @@ def test_our_fold_equals_max_fold_and_forward(state_dtype_name: str, ring_len: i
 
     folded = [np.empty_like(state_in) for _ in range(3)]
     for pool, out in zip(pools, folded, strict=True):
-        _copy_back(pool, out)
+        copy_back(pool, out)
     by_max, by_us, by_forward = folded
     assert_bits_equal(by_us, by_max, "ours vs MAX gated_delta_state_fold")
     assert_bits_equal(by_us, by_forward, "ours vs MAX gated_delta_recurrence_fwd over the accepted tokens")

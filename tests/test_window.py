@@ -150,7 +150,7 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
     from max.driver import CPU, Buffer
     from max.dtype import DType
 
-    from gdfold_max.eager import _copy_back, _host_buffer
+    from gdfold_max.eager_base import copy_back, host_buffer
 
     runner = runner_for("gpu")
     case = random_window_case(6, windows=[4, 2, 3])
@@ -160,15 +160,15 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
     model = runner.model("fold_on_load", DType.float32, parameters)
 
     def up(array: np.ndarray) -> Buffer:
-        return _host_buffer(np.ascontiguousarray(array)).to(runner.device)
+        return host_buffer(np.ascontiguousarray(array)).to(runner.device)
 
     state, ring = case.fresh()
     pool, ring_buffer = up(state), up(ring)
     tables = (bad_rows, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
               case.previous_num_accepted)
     (out,) = model.execute(*(up(x) for x in case.tokens()), pool, ring_buffer, *(up(t) for t in tables))
-    _copy_back(pool, state)
-    _copy_back(ring_buffer, ring)
+    copy_back(pool, state)
+    copy_back(ring_buffer, ring)
     readout = np.asarray(out.to(CPU()).to_numpy())
 
     want = verify_step(reference.verify_ring, case, fold_on_load=True)

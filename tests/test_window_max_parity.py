@@ -61,7 +61,7 @@ def test_our_verify_beside_max_verify(state_dtype_name: str) -> None:
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
-    from gdfold_max.eager import _copy_back, _host_buffer
+    from gdfold_max.eager_base import copy_back, host_buffer
 
     device = Accelerator()
     state_dtype = DType.float32 if state_dtype_name == "float32" else DType.bfloat16
@@ -81,7 +81,7 @@ def test_our_verify_beside_max_verify(state_dtype_name: str) -> None:
                                                            DeviceRef.from_device(device)))
 
     def up(array: np.ndarray):  # noqa: ANN202
-        return _host_buffer(np.ascontiguousarray(array)).to(device)
+        return host_buffer(np.ascontiguousarray(array)).to(device)
 
     pools, rings = [up(state), up(state)], [up(ring), up(ring)]
     theirs, ours = model.execute(up(qkv), up(decay), up(beta), *pools, *rings, up(rows), up(offsets))
@@ -89,7 +89,7 @@ def test_our_verify_beside_max_verify(state_dtype_name: str) -> None:
     ring_max, ring_ours = (np.asarray(r.to(CPU()).to_numpy()) for r in rings)
     for pool in pools:
         after = np.empty_like(state)
-        _copy_back(pool, after)
+        copy_back(pool, after)
         assert np.array_equal(bits(after), bits(state)), "a verify of windows within RING_LEN wrote the pool"
 
     keys = np.s_[..., : DIM]

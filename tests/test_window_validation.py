@@ -137,6 +137,28 @@ def test_cpu_op_checks_offsets_and_overlap_itself() -> None:
         assert_bits_equal(ring, case.ring, "ring")
 
 
+def test_empty_batch_is_a_no_op_through_the_op_itself() -> None:
+    """Batch 0 through the compiled fold-on-load verify (the eager runner returns before
+    the graph): an empty readout, and the pool and the ring unchanged."""
+    from max.driver import Buffer
+    from max.dtype import DType
+
+    case = _case()
+    model = runner_for("cpu").model("fold_on_load", DType.float32, {"K": 64, "V": 64, "RING_LEN": 4})
+    pool, ring = case.fresh()
+    empty = np.zeros(0, np.uint32)
+    tokens = [np.ascontiguousarray(a[:0]) for a in (case.qkv, case.decay, case.beta)]
+    tables = [empty, empty, np.zeros(1, np.uint32), empty, empty]
+    (readout,) = model.execute(*(Buffer.from_numpy(a) for a in tokens), Buffer.from_numpy(pool),
+                               Buffer.from_numpy(ring), *(Buffer.from_numpy(t) for t in tables))
+    assert list(readout.shape) == [0, case.state.shape[1] * case.state.shape[3]]
+    assert_bits_equal(pool, case.state, "pool")
+    assert_bits_equal(ring, case.ring, "ring")
+    runner = runner_for("cpu")
+    assert runner.verify_ring(*tokens, pool, ring, empty, empty, np.zeros(1, np.uint32)).shape[0] == 0
+    assert_bits_equal(pool, case.state, "pool")
+
+
 def test_graph_build_errors_name_the_argument() -> None:
     from max.dtype import DType
     from max.graph import BufferType, DeviceRef, Graph, TensorType
@@ -243,3 +265,33 @@ def test_column_tile_too_wide_for_an_sm_is_refused_at_graph_build(state_dtype: s
             with pytest.raises(ValueError, match=f"column_tile: {column_tile} columns of a K={key_dim} {state_dtype}"
                                                  " state need [0-9]+ bytes of (static )?shared memory per GPU block"):
                 build()
+
+
+@pytest.mark.parametrize(("api", "architecture", "refused"), [
+    ("cuda", "sm_90a", False),
+    ("cuda", "sm_90", False),
+    ("cuda", "sm_80", True),
+    ("cuda", "sm_100a", True),
+    ("hip", "gfx942", True),
+])
+def test_window_ops_refuse_a_gpu_other_than_hopper_at_build(monkeypatch: pytest.MonkeyPatch, api: str,
+                                                            architecture: str, refused: bool) -> None:
+    """The GPU kernel uses sm_90 instructions: any other GPU is refused when the graph is
+    built (the device is faked here; the op checks it again before it enqueues)."""
+    from max.graph import DeviceRef
+
+    from gdfold_max import window_graph
+
+    class FakeGpu:
+        def __init__(self, device_id: int) -> None:
+            self.api, self.architecture_name = api, architecture
+
+    monkeypatch.setattr(window_graph, "accelerator_count", lambda: 1)
+    monkeypatch.setattr(window_graph, "Accelerator", FakeGpu)
+    if refused:
+        with pytest.raises(ValueError, match=rf"recurrent_state: lives on GPU 0 \({api} {architecture}\); the GPU"
+                                             r" verify and forward need an NVIDIA Hopper GPU"):
+            window_graph.check_window_device(DeviceRef.GPU(0))
+    else:
+        window_graph.check_window_device(DeviceRef.GPU(0))
+    window_graph.check_window_device(DeviceRef.CPU())

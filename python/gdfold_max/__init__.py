@@ -1,26 +1,64 @@
-"""gdfold_max: the speculative-decoding state fold for Gated DeltaNet, on MAX.
+"""gdfold_max: the speculative-decoding state toolkit for Gated DeltaNet, on MAX.
 
 ``state_fold`` puts the fold into a MAX graph; ``fold`` and ``StateFolder`` run it
 eagerly on numpy arrays or MAX buffers. ``verify_ring`` (optionally folding the
 previous step's records as it loads the state) and ``recurrence`` put the verify and
 the forward into a graph; ``WindowRunner`` runs them eagerly. ``reference`` is the
-numpy oracle and ``layout`` the ring record layout.
+numpy oracle, ``layout`` the ring record layout and ``cases`` the recorded-case format.
+
+Importing the package does not import MAX: ``reference``, ``layout`` and ``cases`` need
+only numpy and ml_dtypes, so a numpy conformance test can use them where MAX is not
+installed. The names that need MAX import it on first use.
 """
 
 from __future__ import annotations
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from . import layout, reference
-from .eager import StateFolder, fold, folder_for
-from .graph import FOLD_OP_NAME, kernels_path, state_fold
-from .window_eager import WindowRunner, runner_for
-from .window_graph import RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, recurrence, verify_ring
+
+if TYPE_CHECKING:
+    from .eager import StateFolder, fold, folder_for
+    from .graph import FOLD_OP_NAME, kernels_path, state_fold
+    from .window_eager import WindowRunner, runner_for
+    from .window_graph import RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, recurrence, verify_ring
 
 try:
     __version__ = version("gdfold_max")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
+
+#: The names that need MAX, and the module that defines each.
+_NEEDS_MAX = {
+    "StateFolder": "eager",
+    "fold": "eager",
+    "folder_for": "eager",
+    "FOLD_OP_NAME": "graph",
+    "kernels_path": "graph",
+    "state_fold": "graph",
+    "WindowRunner": "window_eager",
+    "runner_for": "window_eager",
+    "RECURRENCE_OP_NAME": "window_graph",
+    "VERIFY_FOLD_ON_LOAD_OP_NAME": "window_graph",
+    "VERIFY_OP_NAME": "window_graph",
+    "recurrence": "window_graph",
+    "verify_ring": "window_graph",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NEEDS_MAX:
+        value = getattr(import_module(f".{_NEEDS_MAX[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "FOLD_OP_NAME",

@@ -1,65 +1,28 @@
-"""Benchmark: our fold beside an anchor, in one process, on Qwen3-Next-80B shapes.
+"""The fold benchmark: our fold beside an anchor, in one process, on Qwen3-Next-80B shapes.
 
 On a GPU the anchor is MAX's built-in ``gated_delta_state_fold``; on the CPU it is a
-numpy copy of the same state bytes. A fold's time is taken as DESIGN does: a graph of
-R chained folds against a graph of one, per fold = (t_R - t_1) / (R - 1), best of
-several runs, so graph-call overhead cancels. Effective bandwidth counts the state
-read and written once plus the record fields read.
+numpy copy of the same state bytes. Timing as ``bench_harness`` says. Effective
+bandwidth counts the state read and written once plus the record fields read.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeAlias
 
 import numpy as np
 from max.driver import CPU, Accelerator, Buffer, Device, accelerator_count
 from max.dtype import DType
-from max.engine import InferenceSession, Model
+from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
+from .bench_harness import ChainedGraphs, FoldShape, best_seconds, render_rows, sweep, times
 from .graph import kernels_path, state_fold
-from .layout import RecordLayout
 
 #: GPU tiling keywords of :func:`state_fold` (``key_dim_tile``, ``rows_per_thread``).
 Tiling: TypeAlias = dict[str, int] | None
-
-
-@dataclass(frozen=True)
-class FoldShape:
-    """Model shapes of the benchmark (defaults: Qwen3-Next-80B's gated-delta layers)."""
-
-    num_layers: int = 36
-    num_value_heads: int = 32
-    num_key_heads: int = 16
-    key_dim: int = 128
-    value_dim: int = 128
-    ring_len: int = 4
-    accepted: int = 3
-
-    @property
-    def layout(self) -> RecordLayout:
-        return RecordLayout(self.key_dim, self.value_dim, self.num_value_heads // self.num_key_heads)
-
-    def state_bytes(self, batch: int, state_dtype: DType) -> int:
-        """Bytes of state the batch's folds touch (read once, written once: x2 elsewhere)."""
-        elements = self.num_layers * batch * self.num_value_heads * self.key_dim * self.value_dim
-        return elements * state_dtype.size_in_bytes
-
-    def record_bytes(self, batch: int) -> int:
-        """Bytes of record fields the batch's folds read."""
-        records = self.num_layers * batch * self.num_key_heads * self.accepted
-        return records * self.layout.elements * 4
-
-    def fold_bytes(self, batch: int, state_dtype: DType) -> int:
-        return 2 * self.state_bytes(batch, state_dtype) + self.record_bytes(batch)
 
 
 @dataclass
@@ -79,64 +42,15 @@ class BenchRow:
     share_of_copy: float
 
 
-def best_seconds(run: Callable[[], None], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``run`` (after one warm-up call)."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def per_link_seconds(model_of: Callable[[int], Model], device: Device, operands: Sequence[Buffer], chain: int,
-                     repeats: int) -> float:
-    """The time of one link of a chained graph: (t_R - t_1) / (R - 1), where ``model_of(n)``
-    is the graph of n chained links, so the graph-call overhead cancels."""
-    def timed(count: int) -> float:
-        model = model_of(count)
-
-        def run() -> None:
-            model.execute(*operands)
-            device.synchronize()
-
-        return best_seconds(run, repeats)
-
-    one = timed(1)
-    many = timed(chain)
-    return max(many - one, 0.0) / (chain - 1)
-
-
-def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
-    """Compiles graphs several at a time. Build them first, one after another: building
-    shares the kernel package cache."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return list(pool.map(session.load, graphs))
-
-
-class FoldGraphs:
-    """Compiled graphs of 1 and R chained folds, ours or MAX's, on one device."""
+class FoldGraphs(ChainedGraphs):
+    """Graphs of 1 and R chained folds, ours (``gdfold``) or MAX's (``max``)."""
 
     def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int,
                  tiling: Tiling = None) -> None:
-        self.session, self.device, self.shape, self.chain = session, device, shape, chain
+        super().__init__(session, device, shape, chain)
         self.tiling = tiling or {}
-        self._models: dict[tuple[str, DType, int], Model] = {}
 
-    def model(self, impl: str, state_dtype: DType, repeats: int) -> Model:
-        key = (impl, state_dtype, repeats)
-        if key not in self._models:
-            self._models[key] = self.session.load(self._build(impl, state_dtype, repeats))
-        return self._models[key]
-
-    def compile_all(self, impls: Sequence[str], dtypes: Sequence[DType]) -> None:
-        """Compiles every graph this run needs, several at a time."""
-        keys = [(i, d, r) for i in impls for d in dtypes for r in (1, self.chain)]
-        models = load_in_parallel(self.session, [self._build(*k) for k in keys])
-        self._models.update(zip(keys, models, strict=True))
-
-    def _build(self, impl: str, state_dtype: DType, repeats: int) -> Graph:
+    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
         s = self.shape
         where = DeviceRef.from_device(self.device)
         inputs = [
@@ -146,12 +60,13 @@ class FoldGraphs:
             TensorType(DType.uint32, [s.num_layers, "batch"], where),
             TensorType(DType.uint32, ["batch"], where),
         ]
-        extensions = [kernels_path()] if impl == "gdfold" else []
-        with Graph(f"bench_{impl}_{state_dtype.name}_x{repeats}", input_types=inputs,
+        tag = "_".join(f"{k}{v}" for k, v in sorted(self.tiling.items()))
+        extensions = [kernels_path()] if variant == "gdfold" else []
+        with Graph(f"bench_{variant}{tag}_{state_dtype.name}_x{links}", input_types=inputs,
                    custom_extensions=extensions) as graph:
             state, ring, row_ids, ring_row_ids, accepted = graph.inputs
-            for _ in range(repeats):
-                if impl == "gdfold":
+            for _ in range(links):
+                if variant == "gdfold":
                     state_fold(state.buffer, ring.buffer, row_ids.tensor, ring_row_ids.tensor, accepted.tensor,
                                **self.tiling)
                 else:
@@ -161,11 +76,6 @@ class FoldGraphs:
                                            accepted.tensor, verify_width_operand(s.ring_len - 1))
             graph.output()
         return graph
-
-    def per_fold_seconds(self, impl: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
-        """(t_R - t_1) / (R - 1): the graph-call overhead cancels."""
-        return per_link_seconds(lambda count: self.model(impl, state_dtype, count), self.device, operands,
-                                self.chain, repeats)
 
 
 def make_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0) -> list[Buffer]:
@@ -204,6 +114,10 @@ def numpy_copy_tb_s(nbytes: int, repeats: int) -> float:
     return 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src), repeats) / 1e12
 
 
+def _tb_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e12 if seconds > 0 else float("nan")
+
+
 def run_bench(
     batches: Iterable[int],
     dtypes: Iterable[DType] = (DType.float32, DType.bfloat16),
@@ -221,62 +135,54 @@ def run_bench(
     if device is None:
         device = Accelerator() if accelerator_count() > 0 else CPU()
     on_gpu = device.label != "cpu"
-    session = InferenceSession(devices=[device])
-    graphs = FoldGraphs(session, device, shape, chain, tiling)
-    batches, dtypes = list(batches), list(dtypes)
+    graphs = FoldGraphs(InferenceSession(devices=[device]), device, shape, chain, tiling)
+    dtypes = list(dtypes)
     console.print("compiling the benchmark graphs ...")
     graphs.compile_all(["gdfold", "max"] if on_gpu else ["gdfold"], dtypes)
     rows: list[BenchRow] = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(batches) * len(dtypes))
-        for state_dtype in dtypes:
-            for batch in batches:
-                progress.update(task, description=f"{state_dtype.name} batch {batch}")
-                operands = make_operands(device, shape, batch, state_dtype)
-                nbytes = shape.fold_bytes(batch, state_dtype)
-                ours = graphs.per_fold_seconds("gdfold", state_dtype, operands, repeats)
-                if on_gpu:
-                    anchor_name = "MAX gated_delta_state_fold"
-                    anchor = graphs.per_fold_seconds("max", state_dtype, operands, repeats)
-                    copy_tb_s = device_copy_tb_s(device, shape.state_bytes(batch, state_dtype), repeats)
-                else:
-                    anchor_name = "numpy copy of the state"
-                    copy_tb_s = numpy_copy_tb_s(shape.state_bytes(batch, state_dtype), repeats)
-                    anchor = 2 * shape.state_bytes(batch, state_dtype) / (copy_tb_s * 1e12)
-                ours_tb_s = nbytes / ours / 1e12 if ours > 0 else float("nan")
-                rows.append(BenchRow(
-                    device=f"{device.label}:{device.id}" + (f" {device.model_name}" if on_gpu else ""),
-                    state_dtype=state_dtype.name,
-                    batch=batch,
-                    ours_us=ours * 1e6,
-                    ours_tb_s=ours_tb_s,
-                    anchor=anchor_name,
-                    anchor_us=anchor * 1e6,
-                    anchor_tb_s=nbytes / anchor / 1e12 if anchor > 0 else float("nan"),
-                    speedup=anchor / ours if ours > 0 else float("nan"),
-                    copy_tb_s=copy_tb_s,
-                    share_of_copy=ours_tb_s / copy_tb_s,
-                ))
-                del operands
-                progress.advance(task)
+    for state_dtype, batch in sweep(dtypes, list(batches), console, "fold"):
+        operands = make_operands(device, shape, batch, state_dtype)
+        nbytes = shape.fold_bytes(batch, state_dtype)
+        state_bytes = shape.state_bytes(batch, state_dtype)
+        ours = graphs.per_link_seconds("gdfold", state_dtype, operands, repeats)
+        if on_gpu:
+            anchor_name = "MAX gated_delta_state_fold"
+            anchor = graphs.per_link_seconds("max", state_dtype, operands, repeats)
+            copy_tb_s = device_copy_tb_s(device, state_bytes, repeats)
+        else:
+            anchor_name = "numpy copy of the state"
+            copy_tb_s = numpy_copy_tb_s(state_bytes, repeats)
+            anchor = 2 * state_bytes / (copy_tb_s * 1e12)
+        ours_tb_s = _tb_s(nbytes, ours)
+        rows.append(BenchRow(
+            device=f"{device.label}:{device.id}" + (f" {device.model_name}" if on_gpu else ""),
+            state_dtype=state_dtype.name,
+            batch=batch,
+            ours_us=ours * 1e6,
+            ours_tb_s=ours_tb_s,
+            anchor=anchor_name,
+            anchor_us=anchor * 1e6,
+            anchor_tb_s=_tb_s(nbytes, anchor),
+            speedup=anchor / ours if ours > 0 else float("nan"),
+            copy_tb_s=copy_tb_s,
+            share_of_copy=ours_tb_s / copy_tb_s,
+        ))
+        del operands
     return rows
 
 
 def render(rows: Sequence[BenchRow], console: Console) -> None:
     """Prints the rows as a table."""
-    table = Table(title="gdfold_max fold vs anchor (per fold; bandwidth = state r+w + records)")
-    for column in ("dtype", "batch", "ours µs", "ours GB/s", "anchor µs", "anchor GB/s", "speed-up", "copy GB/s",
-                   "share of copy"):
-        table.add_column(column, justify="right")
-    for r in rows:
-        table.add_row(r.state_dtype, str(r.batch), f"{r.ours_us:.1f}", f"{1e3 * r.ours_tb_s:.0f}", f"{r.anchor_us:.1f}",
-                      f"{1e3 * r.anchor_tb_s:.0f}", f"{r.speedup:.2f}x", f"{1e3 * r.copy_tb_s:.0f}",
-                      f"{100 * r.share_of_copy:.0f}%")
-    console.print(table)
+    render_rows("gdfold_max fold vs anchor (per fold; bandwidth = state r+w + records)", [
+        ("dtype", lambda r: r.state_dtype),
+        ("batch", lambda r: str(r.batch)),
+        ("ours µs", lambda r: f"{r.ours_us:.1f}"),
+        ("ours GB/s", lambda r: f"{1e3 * r.ours_tb_s:.0f}"),
+        ("anchor µs", lambda r: f"{r.anchor_us:.1f}"),
+        ("anchor GB/s", lambda r: f"{1e3 * r.anchor_tb_s:.0f}"),
+        ("speed-up", lambda r: times(r.speedup)),
+        ("copy GB/s", lambda r: f"{1e3 * r.copy_tb_s:.0f}"),
+        ("share of copy", lambda r: f"{100 * r.share_of_copy:.0f}%"),
+    ], rows, console)
     if rows:
         console.print(f"device: {rows[0].device}; anchor: {rows[0].anchor}")
-
-
-def write_json(rows: Sequence[BenchRow], path: str) -> None:
-    with open(path, "w") as out:
-        json.dump([asdict(r) for r in rows], out, indent=2)

@@ -1,4 +1,5 @@
-"""Benchmark: the state work of one speculative decoding step, three ways, in one process.
+"""The step benchmark: the state work of one speculative decoding step, side by side in
+one process.
 
 * ``max``: MAX's ``gated_delta_recurrence_verify_ring_fwd`` for every layer, then MAX's
   ``gated_delta_state_fold`` for all layers (the verify reads the state, the fold reads
@@ -7,42 +8,50 @@
 * ``fused``: our ``verify_ring`` with fold on load for every layer: the previous step's
   accepted records are applied as the state loads, so the state is read and written
   once (two passes).
+* ``fla``: FLA's Triton ``fused_recurrent_gated_delta_rule`` (the kernel vLLM's and
+  SGLang's decode build on) over the same windows and data for every layer, initial
+  state in, final state out. It runs where ``torch`` and ``fla`` import, on a GPU; it is
+  an anchor, not a dependency of this package (``fla_anchor``).
 
-A step's time is taken as ``bench`` takes a fold's: graphs of R chained steps and of
-one, per step = (t_R - t_1) / (R - 1), best of several runs. MAX's ops have no CPU
-path: on the CPU only ``ours`` and ``fused`` run. Shapes default to Qwen3-Next-80B's
-gated-delta layers, a window of RING_LEN tokens per request and RING_LEN - 1 records
-accepted.
+Timing as ``bench_harness`` says: per step (t_R - t_1) / (R - 1), best of ``repeats``,
+every variant in turn for ``rounds`` rounds, the median kept and the per-round ratios'
+spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours`` and
+``fused`` run. Shapes default to Qwen3-Next-80B's gated-delta layers, a window of
+RING_LEN tokens per request and RING_LEN - 1 records accepted.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import math
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 from max.driver import Accelerator, Buffer, Device
 from max.dtype import DType
-from max.engine import InferenceSession, Model
+from max.engine import InferenceSession
 from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue
 from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
-from .bench import FoldShape, load_in_parallel, per_link_seconds
+from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
 from .graph import kernels_path, state_fold
 from .window_graph import verify_ring
 
+if TYPE_CHECKING:
+    from .fla_anchor import FlaSteps
+
+#: The graph variants (FLA runs through torch, beside them).
 VARIANTS = ("max", "ours", "fused")
 
 #: GPU keywords of :func:`verify_ring` (``column_tile``, ``requests_per_block``).
 WindowTiling: TypeAlias = dict[str, int]
-STATE_PASSES = {"max": 3, "ours": 3, "fused": 2}
+
+#: Passes over the state each variant makes, so the bytes it must move: a count from
+#: the design, not a measurement.
+STATE_PASSES = {"max": 3, "ours": 3, "fused": 2, "fla": 2}
 
 
 @dataclass
@@ -52,17 +61,23 @@ class StepRow:
     variant: str
     state_dtype: str
     batch: int
+    #: Median over the rounds.
     step_us: float
+    rounds: int
     state_gb: float
     state_tb_s: float
-    #: MAX's time over this variant's (NaN where MAX's ops did not run: the CPU).
+    #: MAX's time over this variant's, medians (NaN where MAX's ops did not run: the CPU).
     vs_max: float
-    #: ``ours`` time over this variant's.
+    #: ``ours`` time over this variant's, medians.
     vs_ours: float
+    #: FLA's time over this variant's, medians (NaN where FLA did not run).
+    vs_fla: float
+    #: The smallest and largest per-round ``ours`` over this variant.
+    vs_ours_range: tuple[float, float]
 
 
-class StepGraphs:
-    """Compiled graphs of 1 and R chained decoding steps for each variant.
+class StepGraphs(ChainedGraphs):
+    """Compiled graphs of 1 and R chained decoding steps for each graph variant.
 
     ``kernels`` is the Mojo package our variants use (default: the installed one); graphs
     of several packages can live in one session, so that kernel versions are timed side
@@ -71,22 +86,14 @@ class StepGraphs:
 
     def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int,
                  tiling: WindowTiling | None = None, kernels: Path | None = None) -> None:
-        self.session, self.device, self.shape, self.chain = session, device, shape, chain
+        super().__init__(session, device, shape, chain)
         self.tiling: WindowTiling = tiling or {}
         self.kernels = kernels or kernels_path()
         # Graph names stay distinct across packages, and tilings, in one session.
-        self._tag = "" if kernels is None else "_" + hashlib.sha1(
+        self._tag = "" if kernels is None and not self.tiling else "_" + hashlib.sha1(
             f"{kernels}|{sorted(self.tiling.items())}".encode()).hexdigest()[:8]
-        self._models: dict[tuple[str, DType, int], Model] = {}
 
-    def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
-        """Compiles the graphs of one step and, when ``chained``, of ``chain`` steps."""
-        lengths = (1, self.chain) if chained else (1,)
-        keys = [(v, d, r) for v in variants for d in dtypes for r in lengths]
-        models = load_in_parallel(self.session, [self._build(*k) for k in keys])
-        self._models.update(zip(keys, models, strict=True))
-
-    def _build(self, variant: str, state_dtype: DType, steps: int) -> Graph:
+    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
         s = self.shape
         where = DeviceRef.from_device(self.device)
         f32, u32 = DType.float32, DType.uint32
@@ -104,12 +111,12 @@ class StepGraphs:
             TensorType(u32, ["offsets"], where),
         ]
         extensions = [] if variant == "max" else [self.kernels]
-        with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{steps}", input_types=inputs,
+        with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{links}", input_types=inputs,
                    custom_extensions=extensions) as graph:
             pool, ring = graph.inputs[0].buffer, graph.inputs[1].buffer
             qkv, decay, beta, rows, ring_rows, previous_rows, accepted, offsets = (x.tensor for x in graph.inputs[2:])
             readout: TensorValue | None = None
-            for _ in range(steps):
+            for _ in range(links):
                 readout = self._step(variant, pool, ring, qkv, decay, beta, rows, ring_rows, previous_rows,
                                      accepted, offsets)
             assert readout is not None
@@ -146,38 +153,42 @@ class StepGraphs:
         assert readout is not None
         return readout
 
-    def model(self, variant: str, state_dtype: DType, steps: int) -> Model:
-        """A graph compiled by :meth:`compile_all`."""
-        return self._models[(variant, state_dtype, steps)]
-
     def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
         """(t_R - t_1) / (R - 1) over graphs of R chained steps and of one."""
-        return per_link_seconds(lambda steps: self.model(variant, state_dtype, steps), self.device, operands,
-                                self.chain, repeats)
+        return self.per_link_seconds(variant, state_dtype, operands, repeats)
 
 
-def make_step_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0
-                       ) -> list[Buffer]:
-    """A pool row per (layer, request), two ring rows per (layer, request), one window each."""
+def step_host_inputs(shape: FoldShape, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The tokens and tables of one step: a pool row per (layer, request), two ring rows
+    per (layer, request), one window of RING_LEN tokens each."""
     s = shape
     rng = np.random.default_rng(seed)
     rows = s.num_layers * batch
     tokens = batch * s.ring_len
     width = 2 * s.num_key_heads * s.key_dim + s.num_value_heads * s.value_dim
+    ids = np.arange(rows, dtype=np.uint32).reshape(s.num_layers, batch)
+    return {
+        "qkv": rng.standard_normal((tokens, width)).astype(np.float32),
+        "decay": rng.uniform(0.6, 1.0, (tokens, s.num_value_heads)).astype(np.float32),
+        "beta": rng.uniform(0.0, 1.0, (tokens, s.num_value_heads)).astype(np.float32),
+        "row_ids": ids,
+        "ring_row_ids": ids,
+        "previous_ring_row_ids": ids + np.uint32(rows),
+        "num_accepted": np.full(batch, s.accepted, np.uint32),
+        "input_row_offsets": np.arange(0, tokens + 1, s.ring_len, dtype=np.uint32),
+    }
+
+
+def make_step_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0
+                       ) -> list[Buffer]:
+    """The operands of :class:`StepGraphs`' graphs: a zeroed pool and ring, then
+    :func:`step_host_inputs` on ``device``."""
+    s = shape
+    rows = s.num_layers * batch
     pool = Buffer.zeros([rows, s.num_value_heads, s.key_dim, s.value_dim], state_dtype, device)
     ring = Buffer.zeros([2 * rows, s.num_key_heads, s.ring_len, s.layout.min_stride], DType.float32, device)
-    ids = np.arange(rows, dtype=np.uint32).reshape(s.num_layers, batch)
-    host = [
-        rng.standard_normal((tokens, width)).astype(np.float32),
-        rng.uniform(0.6, 1.0, (tokens, s.num_value_heads)).astype(np.float32),
-        rng.uniform(0.0, 1.0, (tokens, s.num_value_heads)).astype(np.float32),
-        ids,
-        ids,
-        ids + np.uint32(rows),
-        np.full(batch, s.accepted, np.uint32),
-        np.arange(0, tokens + 1, s.ring_len, dtype=np.uint32),
-    ]
-    return [pool, ring, *[Buffer.from_numpy(np.ascontiguousarray(h)).to(device) for h in host]]
+    host = step_host_inputs(shape, batch, seed)
+    return [pool, ring, *[Buffer.from_numpy(np.ascontiguousarray(h)).to(device) for h in host.values()]]
 
 
 def run_step_bench(
@@ -187,69 +198,79 @@ def run_step_bench(
     shape: FoldShape | None = None,
     chain: int = 3,
     repeats: int = 5,
+    rounds: int = 1,
     tiling: WindowTiling | None = None,
     console: Console | None = None,
     device: Device | None = None,
+    with_fla: bool = True,
 ) -> list[StepRow]:
     """Measures the variants for every (dtype, batch) on ``device`` (default: the GPU)
-    and returns the rows: all three on a GPU, ``ours`` and ``fused`` on the CPU."""
+    and returns the rows: MAX's, ours, fused (and FLA's where it imports) on a GPU,
+    ours and fused on the CPU."""
     shape = shape or FoldShape()
     console = console or Console()
     device = device or Accelerator()
-    variants = VARIANTS if device.label != "cpu" else ("ours", "fused")
-    session = InferenceSession(devices=[device])
-    graphs = StepGraphs(session, device, shape, chain, tiling)
-    batches, dtypes = list(batches), list(dtypes)
+    on_gpu = device.label != "cpu"
+    graph_variants = VARIANTS if on_gpu else ("ours", "fused")
+    fla: FlaSteps | None = None
+    if on_gpu and with_fla:
+        from .fla_anchor import FlaSteps, fla_missing
+
+        missing = fla_missing()
+        if missing:
+            console.print(f"FLA is not timed: {missing}")
+        else:
+            fla = FlaSteps(shape, chain)
+    graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, chain, tiling)
+    dtypes = list(dtypes)
     console.print("compiling the step graphs ...")
-    graphs.compile_all(variants, dtypes)
+    graphs.compile_all(graph_variants, dtypes)
+    variants = [*graph_variants, *(["fla"] if fla is not None else [])]
     rows: list[StepRow] = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(batches) * len(dtypes) * len(variants))
-        for state_dtype in dtypes:
-            for batch in batches:
-                operands = make_step_operands(device, shape, batch, state_dtype)
-                seconds = {"max": float("nan")}
-                for variant in variants:
-                    progress.update(task, description=f"{variant} {state_dtype.name} batch {batch}")
-                    seconds[variant] = graphs.per_step_seconds(variant, state_dtype, operands, repeats)
-                    progress.advance(task)
-                for variant in variants:
-                    moved = STATE_PASSES[variant] * shape.state_bytes(batch, state_dtype)
-                    rows.append(StepRow(
-                        variant=variant,
-                        state_dtype=state_dtype.name,
-                        batch=batch,
-                        step_us=seconds[variant] * 1e6,
-                        state_gb=moved / 1e9,
-                        state_tb_s=moved / seconds[variant] / 1e12 if seconds[variant] > 0 else float("nan"),
-                        vs_max=_ratio(seconds["max"], seconds[variant]),
-                        vs_ours=_ratio(seconds["ours"], seconds[variant]),
-                    ))
-                del operands
+    for state_dtype, batch in sweep(dtypes, list(batches), console, "step"):
+        operands = make_step_operands(device, shape, batch, state_dtype)
+        timers: dict[str, Callable[[], float]] = {
+            v: partial(graphs.per_step_seconds, v, state_dtype, operands, repeats) for v in graph_variants}
+        if fla is not None:
+            timers["fla"] = fla.prepare(step_host_inputs(shape, batch), batch, state_dtype, repeats)
+        measured = measure_rounds(variants, rounds, timers)
+        for variant in variants:
+            seconds = measured.median(variant)
+            moved = STATE_PASSES[variant] * shape.state_bytes(batch, state_dtype)
+            rows.append(StepRow(
+                variant=variant,
+                state_dtype=state_dtype.name,
+                batch=batch,
+                step_us=seconds * 1e6,
+                rounds=rounds,
+                state_gb=moved / 1e9,
+                state_tb_s=moved / seconds / 1e12 if seconds > 0 else float("nan"),
+                vs_max=ratio(measured.median("max"), seconds),
+                vs_ours=ratio(measured.median("ours"), seconds),
+                vs_fla=ratio(measured.median("fla"), seconds),
+                vs_ours_range=measured.ratio_range("ours", variant),
+            ))
+        del operands, timers
     return rows
 
 
-def _ratio(baseline: float, seconds: float) -> float:
-    return baseline / seconds if seconds > 0 else float("nan")
-
-
 def render_steps(rows: Sequence[StepRow], console: Console) -> None:
-    with_max = any(not math.isnan(r.vs_max) for r in rows)
-    table = Table(title="one decoding step's state work (all layers): verify + fold")
-    columns = ["variant", "dtype", "batch", "step µs", "state GB moved", "state TB/s"]
-    columns += ["speed-up vs MAX"] if with_max else ["speed-up vs ours"]
-    for column in columns:
-        table.add_column(column, justify="right")
-    for r in rows:
-        table.add_row(r.variant, r.state_dtype, str(r.batch), f"{r.step_us:.1f}", f"{r.state_gb:.2f}",
-                      f"{r.state_tb_s:.3f}", f"{r.vs_max if with_max else r.vs_ours:.2f}x")
-    console.print(table)
-
-
-def write_step_json(rows: Sequence[StepRow], path: str) -> None:
-    """The rows as JSON; a ratio that was not measured (``vs_max`` on the CPU) is null."""
-    def plain(row: StepRow) -> dict[str, object]:
-        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(row).items()}
-
-    with open(path, "w") as out:
-        json.dump([plain(r) for r in rows], out, indent=2)
+    """Prints the rows; the ratio columns that were measured, and the per-round spread of
+    the ratio to ours where there was more than one round."""
+    columns: list[tuple[str, Callable[[StepRow], str]]] = [
+        ("variant", lambda r: r.variant),
+        ("dtype", lambda r: r.state_dtype),
+        ("batch", lambda r: str(r.batch)),
+        ("step µs", lambda r: f"{r.step_us:.1f}"),
+        ("state GB moved", lambda r: f"{r.state_gb:.2f}"),
+        ("state TB/s", lambda r: f"{r.state_tb_s:.3f}"),
+    ]
+    if any(not np.isnan(r.vs_max) for r in rows):
+        columns.append(("vs MAX", lambda r: times(r.vs_max)))
+    if any(not np.isnan(r.vs_fla) for r in rows):
+        columns.append(("vs FLA", lambda r: times(r.vs_fla)))
+    columns.append(("vs ours", lambda r: times(r.vs_ours)))
+    if any(r.rounds > 1 for r in rows):
+        columns.append(("vs ours, rounds' range",
+                        lambda r: f"{times(r.vs_ours_range[0])} - {times(r.vs_ours_range[1])}"))
+    render_rows("one decoding step's state work (all layers), medians", columns, rows, console)

@@ -159,7 +159,8 @@ def bench(
     """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
     from max.driver import accelerator_count
 
-    from .bench import render, run_bench, write_json
+    from .bench import render, run_bench
+    from .bench_harness import write_json
 
     batch_list = [int(b) for b in batches.split(",")]
     if accelerator_count() == 0 and batches == "1,8,64,256":
@@ -177,19 +178,23 @@ def bench_step(
     dtypes: Annotated[str, typer.Option(help="State dtypes.")] = "float32",
     chain: Annotated[int, typer.Option(help="Steps chained in the long graph.")] = 3,
     repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
+    rounds: Annotated[int, typer.Option(help="Rounds of every variant in turn; the median counts.")] = 1,
     column_tile: Annotated[int | None, typer.Option(help="Value columns per GPU block of our verify.")] = None,
-    requests_per_block: Annotated[int | None, typer.Option(help="Requests per GPU block of our verify.")] = None,
-    device: Annotated[Target, typer.Option(help="gpu: MAX's ops, ours, ours fused; cpu: ours, ours fused.")] = (
+    requests_per_block: Annotated[int | None, typer.Option(
+        help="Units of work (a request on one column tile of one value head) per GPU block of our verify.")] = None,
+    device: Annotated[Target, typer.Option(
+        help="gpu: MAX's ops, ours, ours fused, and FLA where torch and fla import; cpu: ours, ours fused.")] = (
         Target.gpu
     ),
     json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
         "bench-step-results.json"
     ),
 ) -> None:
-    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused."""
+    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, FLA."""
     from max.driver import CPU, accelerator_count
 
-    from .bench_step import render_steps, run_step_bench, write_step_json
+    from .bench_harness import write_json
+    from .bench_step import render_steps, run_step_bench
 
     dtype_list = _state_dtypes(dtypes)
     if device == Target.gpu and accelerator_count() == 0:
@@ -199,10 +204,13 @@ def bench_step(
     batch_list = [int(b) for b in batches.split(",")]
     tiling = {k: v for k, v in (("column_tile", column_tile), ("requests_per_block", requests_per_block))
               if v is not None}
-    rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, tiling=tiling, console=console,
+    if rounds < 1:
+        raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
+    rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,
+                          console=console,
                           device=CPU() if device == Target.cpu else None)
     render_steps(rows, console)
-    write_step_json(rows, str(json_out))
+    write_json(rows, str(json_out))
     console.print(f"wrote {json_out}")
 
 

@@ -10,28 +10,12 @@ from importlib import resources
 from pathlib import Path
 
 from max.dtype import DType
-from max.graph import BufferValue, Dim, StaticDim, TensorValue, ops
+from max.graph import BufferValue, Dim, TensorValue, ops
 
-from .layout import RecordLayout
+from .graph_checks import ring_parameters, row_table, shape_text, static_size
 
 #: The name our fold op is registered under (MAX's own is ``gated_delta_state_fold``).
 FOLD_OP_NAME = "gdfold_state_fold"
-
-#: Supported state dtypes, key/value dims and ring lengths.
-STATE_DTYPES = (DType.float32, DType.bfloat16)
-MAX_HEAD_DIM = 256
-MAX_RING_LEN = 16
-
-_INTEGER_DTYPES = (
-    DType.uint8,
-    DType.uint16,
-    DType.uint32,
-    DType.uint64,
-    DType.int8,
-    DType.int16,
-    DType.int32,
-    DType.int64,
-)
 
 
 def kernels_path() -> Path:
@@ -47,21 +31,8 @@ def kernels_path() -> Path:
     return Path(__file__).resolve().parents[2] / "mojo"
 
 
-def _static(dim: Dim | int) -> int | None:
-    """A dimension's size where it is known when the graph is built, else None."""
-    if isinstance(dim, int):
-        return dim
-    return int(dim) if isinstance(dim, StaticDim) else None
-
-
-def check_head_dim(name: str, value: int) -> None:
-    """Raises ``ValueError`` unless ``value`` is a multiple of 8 in 8..256."""
-    if value % 8 != 0 or not 8 <= value <= MAX_HEAD_DIM:
-        raise ValueError(f"{name}: {value} is unsupported (a multiple of 8 up to {MAX_HEAD_DIM})")
-
-
 #: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD): the best of a
-#: sweep on an H200 at Qwen3-Next shapes (bench/tune_tiles.py; bench/tune-h200-*.txt).
+#: sweep on an H200 at Qwen3-Next shapes (bench/tuning/tune_tiles.py; bench/results/fold-tiles-h200-2026-11-29.txt).
 #: A thread keeps ROWS_PER_THREAD 16-byte state vectors in flight: 128 bytes for fp32, 256 for bf16.
 PREFERRED_TILING = {DType.float32: (64, 8), DType.bfloat16: (128, 16)}
 
@@ -80,60 +51,28 @@ def default_tiling(key_dim: int, state_dtype: DType) -> tuple[int, int]:
     return tile, min(rows, tile)
 
 
-#: Record strides are whole multiples of this many floats, so records load 16 bytes at a time.
-RECORD_VECTOR = 4
+#: Threads one GPU block may hold (CUDA's limit, and MAX's on every GPU it supports).
+MAX_BLOCK_THREADS = 1024
 
 
-def pool_dims(state_shape: Sequence[Dim | int], state_dtype: DType) -> tuple[int, int]:
-    """Checks a pool's rank, dtype and static K, V, and returns (K, V).
+def fold_block_threads(state_dtype: DType, value_dim: int, key_dim_tile: int, rows_per_thread: int) -> int:
+    """Threads of one fold block, as ``mojo/fold_gpu.mojo`` launches it: a 16-byte state
+    vector per column thread, ``key_dim_tile / rows_per_thread`` row threads.
+
+    >>> fold_block_threads(DType.float32, 128, 64, 8), fold_block_threads(DType.bfloat16, 128, 128, 1)
+    (256, 2048)
+    """
+    return value_dim // (16 // state_dtype.size_in_bytes) * (key_dim_tile // rows_per_thread)
+
+
+def fold_tiling(key_dim: int, value_dim: int, state_dtype: DType, key_dim_tile: int | None = None,
+                rows_per_thread: int | None = None) -> dict[str, int]:
+    """The fold's GPU tiling, checked (the CPU path ignores it): the tile divides K, the
+    rows divide the tile, and a block holds at most ``MAX_BLOCK_THREADS`` threads.
 
     Raises:
-        ValueError: naming ``recurrent_state``, the bad value and what was expected.
+        ValueError: naming ``key_dim_tile`` or ``rows_per_thread`` and the bad value.
     """
-    if len(state_shape) != 4:
-        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {len(state_shape)}")
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"recurrent_state: dtype {state_dtype} is unsupported (float32 or bfloat16)")
-    key_dim, value_dim = _static(state_shape[2]), _static(state_shape[3])
-    if key_dim is None or value_dim is None:
-        raise ValueError(f"recurrent_state: K and V must be static, got {state_shape[2]} and {state_shape[3]}")
-    check_head_dim("recurrent_state: K", key_dim)
-    check_head_dim("recurrent_state: V", value_dim)
-    return key_dim, value_dim
-
-
-def fold_parameters(
-    state_shape: list[Dim] | list[int],
-    state_dtype: DType,
-    ring_shape: list[Dim] | list[int],
-    ring_dtype: DType,
-    key_dim_tile: int | None = None,
-    rows_per_thread: int | None = None,
-) -> dict[str, int]:
-    """Checks static pool and ring shapes and returns the op's compile-time parameters.
-
-    Raises:
-        ValueError: naming the argument, the bad value and what was expected.
-    """
-    key_dim, value_dim = pool_dims(state_shape, state_dtype)
-    if len(ring_shape) != 4:
-        raise ValueError(f"ring: expected rank 4 [ring_rows, nk, RING_LEN, stride], got rank {len(ring_shape)}")
-    if ring_dtype != DType.float32:
-        raise ValueError(f"ring: dtype {ring_dtype} is unsupported (float32)")
-    ring_len = _static(ring_shape[2])
-    if ring_len is None:
-        raise ValueError(f"ring: RING_LEN must be static, got {ring_shape[2]}")
-    if not 1 <= ring_len <= MAX_RING_LEN:
-        raise ValueError(f"ring: RING_LEN {ring_len} is unsupported (1..{MAX_RING_LEN})")
-    nv, nk, stride = (_static(d) for d in (state_shape[1], ring_shape[1], ring_shape[3]))
-    if nv is not None and nk is not None:
-        if nk < 1 or nv % nk != 0:
-            raise ValueError(f"ring: key heads nk={nk} must divide the pool's value heads nv={nv}")
-        needed = RecordLayout(key_dim, value_dim, nv // nk).elements
-        if stride is not None and stride < needed:
-            raise ValueError(f"ring: record stride {stride} is smaller than K + G*(V+1) = {needed}")
-    if stride is not None and stride % RECORD_VECTOR != 0:
-        raise ValueError(f"ring: record stride {stride} is not a multiple of {RECORD_VECTOR} floats (16 bytes)")
     default_tile, default_rows = default_tiling(key_dim, state_dtype)
     tile = default_tile if key_dim_tile is None else key_dim_tile
     if tile < 4 or tile % 4 != 0 or key_dim % tile != 0:
@@ -141,17 +80,32 @@ def fold_parameters(
     rows = min(default_rows, tile) if rows_per_thread is None else rows_per_thread
     if rows < 1 or tile % rows != 0:
         raise ValueError(f"rows_per_thread: {rows} must divide key_dim_tile={tile}")
-    return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len, "KEY_DIM_TILE": tile, "ROWS_PER_THREAD": rows}
+    threads = fold_block_threads(state_dtype, value_dim, tile, rows)
+    if threads > MAX_BLOCK_THREADS:
+        raise ValueError(
+            f"key_dim_tile, rows_per_thread: ({tile}, {rows}) makes GPU blocks of {threads} threads"
+            f" (V={value_dim}, {state_dtype.name} pool); at most {MAX_BLOCK_THREADS}: raise rows_per_thread"
+            " or lower key_dim_tile"
+        )
+    return {"KEY_DIM_TILE": tile, "ROWS_PER_THREAD": rows}
 
 
-def _row_table(name: str, value: TensorValue) -> TensorValue:
-    if value.type.dtype not in _INTEGER_DTYPES:
-        raise ValueError(f"{name}: dtype {value.type.dtype} is not an integer dtype")
-    return value if value.type.dtype == DType.uint32 else value.cast(DType.uint32)
+def fold_parameters(
+    state_shape: Sequence[Dim | int],
+    state_dtype: DType,
+    ring_shape: Sequence[Dim | int],
+    ring_dtype: DType,
+    key_dim_tile: int | None = None,
+    rows_per_thread: int | None = None,
+) -> dict[str, int]:
+    """Checks static pool and ring shapes and the tiling; returns the fold op's
+    compile-time parameters.
 
-
-def _shape_text(dims: Sequence[Dim | int]) -> str:
-    return "[" + ", ".join(str(d) for d in dims) + "]"
+    Raises:
+        ValueError: naming the argument, the bad value and what was expected.
+    """
+    parameters = ring_parameters(state_shape, state_dtype, ring_shape, ring_dtype)
+    return parameters | fold_tiling(parameters["K"], parameters["V"], state_dtype, key_dim_tile, rows_per_thread)
 
 
 def check_table_shapes(
@@ -163,18 +117,18 @@ def check_table_shapes(
         ValueError: naming the table, its shape and what was expected.
     """
     if len(row_ids) != 2:
-        raise ValueError(f"row_ids: expected rank 2 [num_layers, batch], got shape {_shape_text(row_ids)}")
+        raise ValueError(f"row_ids: expected rank 2 [num_layers, batch], got shape {shape_text(row_ids)}")
     if len(ring_row_ids) != 2:
-        raise ValueError(f"ring_row_ids: expected rank 2 [num_layers, batch], got shape {_shape_text(ring_row_ids)}")
+        raise ValueError(f"ring_row_ids: expected rank 2 [num_layers, batch], got shape {shape_text(ring_row_ids)}")
     if len(num_accepted) != 1:
-        raise ValueError(f"num_accepted: expected rank 1 [batch], got shape {_shape_text(num_accepted)}")
+        raise ValueError(f"num_accepted: expected rank 1 [batch], got shape {shape_text(num_accepted)}")
     for axis in range(2):
-        a, b = _static(row_ids[axis]), _static(ring_row_ids[axis])
+        a, b = static_size(row_ids[axis]), static_size(ring_row_ids[axis])
         if a is not None and b is not None and a != b:
             raise ValueError(
-                f"ring_row_ids: shape {_shape_text(ring_row_ids)} differs from row_ids {_shape_text(row_ids)}"
+                f"ring_row_ids: shape {shape_text(ring_row_ids)} differs from row_ids {shape_text(row_ids)}"
             )
-    batch, count = _static(row_ids[1]), _static(num_accepted[0])
+    batch, count = static_size(row_ids[1]), static_size(num_accepted[0])
     if batch is not None and count is not None and batch != count:
         raise ValueError(f"num_accepted: length {count} differs from the batch {batch} of row_ids")
 
@@ -234,7 +188,7 @@ def state_fold(
         ...     graph.output()
     """
     if verify_width is not None:
-        width = _static(verify_width.shape[0]) if verify_width.rank == 1 else None
+        width = static_size(verify_width.shape[0]) if verify_width.rank == 1 else None
         if width == 0:
             return
     parameters = fold_parameters(
@@ -252,9 +206,9 @@ def state_fold(
         [
             recurrent_state,
             ring,
-            _row_table("row_ids", row_ids),
-            _row_table("ring_row_ids", ring_row_ids),
-            _row_table("num_accepted", num_accepted),
+            row_table("row_ids", row_ids),
+            row_table("ring_row_ids", ring_row_ids),
+            row_table("num_accepted", num_accepted),
         ],
         parameters=parameters,
     )

@@ -1,6 +1,7 @@
 """A numpy reference for the gated delta recurrence, its verify ring and the fold.
 
-This module imports neither MAX nor the kernels, so it stays an independent witness.
+This module needs only numpy and ml_dtypes (importing it does not import MAX or the
+kernels), so it stays an independent witness.
 Every state update goes through :func:`fma_f32`, an exact fp32 fused multiply-add:
 an fp32 product is exact in fp64, and an fp64 sum rounded to odd (TwoSum error term,
 then an even result nudged one ulp toward the error) rounds to the correctly rounded
@@ -12,7 +13,7 @@ every sum over K runs on 8 lanes, lane ``p`` chaining fmas over ``i = p, p+8, ..
 the lanes then add pairwise (see :func:`lane_dot`); ``v - kv/|k|`` is one fma. So the
 reference reproduces the kernels' readout and records bit for bit as well.
 
-Shapes follow ``DESIGN``: ``qkv [T, 2*nk*K + nv*V]`` (q, k, v concatenated),
+Shapes follow ``docs/design.md``: ``qkv [T, 2*nk*K + nv*V]`` (q, k, v concatenated),
 ``decay`` and ``beta`` ``[T, nv]``, a pool ``[rows, nv, K, V]`` of float32 or
 ``ml_dtypes.bfloat16``, a ring ``[ring_rows, nk, RING_LEN, stride]`` of float32.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import NDArray
 
@@ -327,5 +327,4 @@ __all__ = [
     "query_scale",
     "recurrence_fwd",
     "verify_ring",
-    "ml_dtypes",
 ]

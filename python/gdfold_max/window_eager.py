@@ -10,24 +10,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import CPU
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from .eager import (
+from .eager_base import (
     ArrayOrBuffer,
     CompiledGraphs,
     DeviceLike,
+    Operand,
     PerDevice,
-    _check_ids,
-    _copy_back,
-    _describe,
-    _host_table,
-    _Operand,
-    to_device,
+    check_ids,
+    describe,
+    host_table,
 )
-from .graph import fold_parameters, kernels_path, pool_dims
+from .graph import kernels_path
+from .graph_checks import pool_dims, ring_parameters
 from .window_graph import check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
@@ -82,16 +81,16 @@ def check_no_ring_overlap(
 class WindowCall:
     """A verify or forward call whose operands all passed validation."""
 
-    tokens: tuple[_Operand, _Operand, _Operand]
-    state: _Operand
-    ring: _Operand | None
+    tokens: tuple[Operand, Operand, Operand]
+    state: Operand
+    ring: Operand | None
     tables: dict[str, np.ndarray]
     parameters: dict[str, int]
 
 
-def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_heads: int) -> tuple[_Operand, ...]:
+def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_heads: int) -> tuple[Operand, ...]:
     operands = tuple(
-        _describe(name, value, device, writable=False)
+        describe(name, value, device, writable=False)
         for name, value in zip(_TOKEN_INPUTS, (qkv, decay, beta), strict=True)
     )
     for operand in operands:
@@ -118,28 +117,28 @@ def validate_window(
     device: Any,
 ) -> WindowCall:
     """Checks every operand of a verify (``ring`` given) or a forward on the host."""
-    state = _describe("recurrent_state", recurrent_state, device, writable=True)
+    state = describe("recurrent_state", recurrent_state, device, writable=True)
     key_dim, value_dim = pool_dims(state.shape, state.dtype)
     rows, nv = state.shape[:2]
     ring_op = None
     num_key_heads = None
     parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1}
     if ring is not None:
-        ring_op = _describe("ring", ring, device, writable=True)
-        parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype)
+        ring_op = describe("ring", ring, device, writable=True)
+        parameters = ring_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype)
         num_key_heads = ring_op.shape[1]
     tokens = _token_operands(qkv, decay, beta, device, nv)
     check_qkv_width(tokens[0].shape[1], nv, key_dim, value_dim, num_key_heads)
-    host = {name: _host_table(name, value) for name, value in tables.items()}
+    host = {name: host_table(name, value) for name, value in tables.items()}
     batch = host["row_ids"].shape[0] if host["row_ids"].ndim == 1 else -1
     _check_lengths(host, batch)
     check_offsets(host["input_row_offsets"], tokens[0].shape[0])
-    _check_ids("row_ids", host["row_ids"], rows)
+    check_ids("row_ids", host["row_ids"], rows)
     if ring_op is not None:
         ring_rows, ring_len = ring_op.shape[0], ring_op.shape[2]
-        _check_ids("ring_row_ids", host["ring_row_ids"], ring_rows)
+        check_ids("ring_row_ids", host["ring_row_ids"], ring_rows)
         if "previous_ring_row_ids" in host:
-            _check_ids("previous_ring_row_ids", host["previous_ring_row_ids"], ring_rows)
+            check_ids("previous_ring_row_ids", host["previous_ring_row_ids"], ring_rows)
             check_no_ring_overlap(host["ring_row_ids"], host["input_row_offsets"], host["previous_ring_row_ids"],
                                   host["previous_num_accepted"], ring_len)
     return WindowCall((tokens[0], tokens[1], tokens[2]), state, ring_op, host, parameters)
@@ -208,19 +207,8 @@ class WindowRunner(CompiledGraphs):
         if not call.tables["row_ids"].size:
             return np.zeros((tokens, nv * value_dim), np.float32)
         model = self.model(kind, call.state.dtype, call.parameters)
-        state = to_device(call.state.value, self.device)
-        ring = to_device(call.ring.value, self.device) if call.ring is not None else None
-        values = [to_device(np.ascontiguousarray(op.value) if isinstance(op.value, np.ndarray) else op.value,
-                            self.device) for op in call.tokens]
-        tables = [Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device) for t in call.tables.values()]
-        args = [*values, state] + ([ring] if ring is not None else []) + tables
-        (readout,) = model.execute(*args)
-        on_host = self.device.label == "cpu"
-        if not on_host:
-            for operand, buffer in ((call.state, state), (call.ring, ring)):
-                if operand is not None and buffer is not None and isinstance(operand.value, np.ndarray):
-                    _copy_back(buffer, operand.value)
-        assert isinstance(readout, Buffer)
+        written = [call.state] + ([call.ring] if call.ring is not None else [])
+        (readout,) = self.execute(model, [*call.tokens, *written], list(call.tables.values()), written)
         return np.asarray(readout.to(CPU()).to_numpy())
 
     def verify_ring(

@@ -8,10 +8,13 @@ reference reproduces the readout, the records and the pool bit for bit.
 
 from __future__ import annotations
 
-from max.dtype import DType
-from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
+import re
 
-from .graph import _row_table, _shape_text, _static, fold_parameters, pool_dims
+from max.driver import Accelerator, accelerator_count
+from max.dtype import DType
+from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
+
+from .graph_checks import pool_dims, ring_parameters, row_table, shape_text, static_size
 from .window_shared_memory import check_column_tile_fits
 
 VERIFY_OP_NAME = "gdfold_verify_ring"
@@ -47,7 +50,7 @@ def default_column_tile(value_dim: int) -> int:
     """The GPU column tile used when the caller names none: the widest that divides V,
     up to 64 columns, among 4, 8, 16 and the multiples of 16 (_check_column_tile). On
     an H200 64 was fastest at K = 128 and at K = 256 alike
-    (bench/window-tuning-h200-2026-11-29.txt).
+    (bench/results/window-tuning-log-h200-2026-11-29-to-12-01.txt).
 
     >>> default_column_tile(128), default_column_tile(96), default_column_tile(40)
     (64, 48, 8)
@@ -79,6 +82,29 @@ def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: in
     return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests}
 
 
+#: The GPU window kernel's instructions (tensor-box copies, mbarriers) are sm_90's; it
+#: was tuned and tested on an H200.
+WINDOW_GPU_ARCHITECTURE = re.compile(r"sm_9\d")
+
+
+def check_window_device(device: DeviceRef) -> None:
+    """Refuses, when the graph is built, a GPU the window kernel does not run on: an
+    NVIDIA Hopper GPU (sm_90) or the CPU. A GPU this process cannot see is left to the
+    op, which checks the device again before it enqueues anything.
+
+    Raises:
+        ValueError: naming ``recurrent_state``'s device and its architecture.
+    """
+    if not device.is_gpu() or device.id >= accelerator_count():
+        return
+    gpu = Accelerator(device.id)
+    if gpu.api != "cuda" or not WINDOW_GPU_ARCHITECTURE.fullmatch(gpu.architecture_name.rstrip("a")):
+        raise ValueError(
+            f"recurrent_state: lives on GPU {device.id} ({gpu.api} {gpu.architecture_name}); the GPU verify and"
+            " forward need an NVIDIA Hopper GPU (sm_90: H100, H200). Build the graph for the CPU instead."
+        )
+
+
 def check_qkv_width(width: int, num_value_heads: int, key_dim: int, value_dim: int,
                     num_key_heads: int | None = None) -> None:
     """Raises unless ``width == 2*nk*K + nv*V``; without ``num_key_heads``, for some nk dividing nv."""
@@ -99,24 +125,24 @@ def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue,
         if value.dtype != DType.float32:
             raise ValueError(f"{name}: dtype {value.dtype.name} is unsupported (float32)")
         if value.rank != 2:
-            raise ValueError(f"{name}: expected rank 2, got shape {_shape_text(list(value.shape))}")
-    tokens = [_static(v.shape[0]) for v in (qkv, decay, beta)]
+            raise ValueError(f"{name}: expected rank 2, got shape {shape_text(list(value.shape))}")
+    tokens = [static_size(v.shape[0]) for v in (qkv, decay, beta)]
     known = {t for t in tokens if t is not None}
     if len(known) > 1:
         raise ValueError(
             f"decay, beta: token counts {tokens[1]} and {tokens[2]} must equal qkv's {tokens[0]}"
         )
-    heads = _static(num_value_heads)
+    heads = static_size(num_value_heads)
     for name, value in (("decay", decay), ("beta", beta)):
-        width = _static(value.shape[1])
+        width = static_size(value.shape[1])
         if heads is not None and width is not None and width != heads:
-            raise ValueError(f"{name}: expected [T, nv={heads}], got shape {_shape_text(list(value.shape))}")
+            raise ValueError(f"{name}: expected [T, nv={heads}], got shape {shape_text(list(value.shape))}")
 
 
 def _check_vector(name: str, value: TensorValue) -> TensorValue:
     if value.rank != 1:
-        raise ValueError(f"{name}: expected rank 1, got shape {_shape_text(list(value.shape))}")
-    return _row_table(name, value)
+        raise ValueError(f"{name}: expected rank 1, got shape {shape_text(list(value.shape))}")
+    return row_table(name, value)
 
 
 def _readout_type(qkv: TensorValue, recurrent_state: BufferValue, value_dim: int) -> TensorType:
@@ -191,10 +217,11 @@ def verify_ring(
             and recorded into, before anything is written. On the GPU, a request with
             an out-of-range id is skipped and its readout is NaN.
     """
-    parameters = fold_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype)
+    parameters = ring_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype)
+    check_window_device(recurrent_state.device)
     value_dim = parameters["V"]
     _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
-    nv, nk, width = (_static(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
+    nv, nk, width = (static_size(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
     if nv is not None and nk is not None and width is not None:
         check_qkv_width(width, nv, parameters["K"], value_dim, nk)
     tables = [
@@ -276,8 +303,9 @@ def recurrence(
         [Dim('T'), Dim(128)]
     """
     key_dim, value_dim = pool_dims(list(recurrent_state.shape), recurrent_state.dtype)
+    check_window_device(recurrent_state.device)
     _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
-    nv, width = _static(recurrent_state.shape[1]), _static(qkv.shape[1])
+    nv, width = static_size(recurrent_state.shape[1]), static_size(qkv.shape[1])
     if nv is not None and width is not None:
         check_qkv_width(width, nv, key_dim, value_dim)
     results = ops.inplace_custom(

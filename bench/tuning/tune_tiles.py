@@ -1,6 +1,6 @@
 """Sweeps the GPU fold's tiling (KEY_DIM_TILE, ROWS_PER_THREAD) on Qwen3-Next shapes.
 
-Usage: python bench/tune_tiles.py [--batches 1,64] [--json out.json]
+Usage: python bench/tuning/tune_tiles.py [--batches 1,64] [--json out.json]
 Every candidate is timed the way the benchmark times a fold (R chained folds against
 one), on the same pool, in one process; the default tiling is the first row.
 """
@@ -14,7 +14,8 @@ from max.driver import Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench import FoldGraphs, FoldShape, make_operands
+from gdfold_max.bench import FoldGraphs, make_operands
+from gdfold_max.bench_harness import FoldShape
 
 CANDIDATES = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (16, 4), (128, 16)]
 
@@ -39,7 +40,7 @@ def main() -> None:
             operands = make_operands(device, shape, batch, state_dtype)
             nbytes = shape.fold_bytes(batch, state_dtype)
             for (tile, rows), g in graphs.items():
-                seconds = g.per_fold_seconds("gdfold", state_dtype, operands, repeats=7)
+                seconds = g.per_link_seconds("gdfold", state_dtype, operands, repeats=7)
                 row = dict(dtype=state_dtype.name, batch=batch, key_dim_tile=tile, rows_per_thread=rows,
                            us=seconds * 1e6, tb_s=nbytes / seconds / 1e12)
                 results.append(row)

@@ -1,7 +1,7 @@
 """Lists the GPU kernels of one decoding step, with their times and the gaps between
 them, for MAX's verify + fold, ours, and our fused verify, at Qwen3-Next shapes:
 
-    python bench/timeline_step.py [--batch N] [--dtype float32|bfloat16] [--variants ...]
+    python bench/profiling/timeline_step.py [--batch N] [--dtype float32|bfloat16] [--variants ...]
 
 bench-step gives a step's time; this shows what it is made of: how long each kernel
 runs on the GPU, which kernels besides the verify and fold a step launches, and how
@@ -27,7 +27,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from torch.profiler import ProfilerActivity, profile
 
-from gdfold_max.bench import FoldShape
+from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import VARIANTS, StepGraphs, make_step_operands
 
 

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Registers and spills of the GPU window kernel, without a GPU:
 #
-#     bash bench/window_registers.sh [MOJO_PACKAGE_DIR]
+#     bash bench/profiling/window_registers.sh [MOJO_PACKAGE_DIR]
 #
 # MOJO_PACKAGE_DIR is a folder that holds a copy of mojo/ to check (default: this
 # checkout). Needs the `mojo` of the installed MAX on PATH (or in $MOJO) and ptxas from a
 # CUDA toolkit (or in $PTXAS). With nvdisasm on PATH (or in $NVDISASM) it also lists the
-# kernel's arithmetic loops and the spill instructions in each (bench/sass_loops.py).
+# kernel's arithmetic loops and the spill instructions in each (bench/profiling/sass_loops.py).
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 package_dir=$(cd "${1:-$root}" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"${MOJO:-mojo}" run -I "$package_dir" "$root/bench/window_ptx.mojo" > "$work/all.ptx"
+"${MOJO:-mojo}" run -I "$package_dir" "$root/bench/profiling/window_ptx.mojo" > "$work/all.ptx"
 # One file per instantiation, cut at the marker lines window_ptx.mojo prints.
 awk -v dir="$work" '/^\/\/ window kernel:/ { n++; print > (dir "/" n ".title"); next }
                     n { print > (dir "/" n ".ptx") }' "$work/all.ptx"
@@ -24,10 +24,10 @@ for title in "$work"/*.title; do
         /spill stores/ && !spills { spills = $0; sub(/^ +/, "", spills) }
         /Used [0-9]+ registers/ && !used { used = $0; sub(/.*Used/, "Used", used) }
         END { print "  " used; print "  " spills }'
-    # Where the spills sit, loop by loop, where nvdisasm is at hand (bench/sass_loops.py).
+    # Where the spills sit, loop by loop, where nvdisasm is at hand (bench/profiling/sass_loops.py).
     nvdisasm=${NVDISASM:-$(command -v nvdisasm || true)}
     if [ -n "$nvdisasm" ]; then
         "$nvdisasm" -c "$work/kernel.cubin" > "$work/kernel.sass"
-        "${PYTHON:-python3}" "$root/bench/sass_loops.py" "$work/kernel.sass"
+        "${PYTHON:-python3}" "$root/bench/profiling/sass_loops.py" "$work/kernel.sass"
     fi
 done

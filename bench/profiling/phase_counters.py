@@ -1,7 +1,7 @@
 """Where a block of the fused verify spends its time, phase by phase, measured inside the
 kernel with the SM's cycle counter:
 
-    python bench/phase_counters.py [--batch N] [--layers N] [--kernels DIR] [--column-tile T]
+    python bench/profiling/phase_counters.py [--batch N] [--layers N] [--kernels DIR] [--column-tile T]
                                    [--requests-per-block R] [--clock-ghz F] [--raw CSV]
 
 A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) is patched
@@ -34,7 +34,7 @@ from max.driver import CPU, Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench import FoldShape
+from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 PHASES = (
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--layers", type=int, default=36)
-    parser.add_argument("--kernels", type=Path, default=Path(__file__).resolve().parents[1] / "mojo")
+    parser.add_argument("--kernels", type=Path, default=Path(__file__).resolve().parents[2] / "mojo")
     parser.add_argument("--column-tile", type=int, default=64)
     parser.add_argument("--requests-per-block", type=int, default=None,
                         help="default: as the op chooses on an H200 (132 SMs, 3 blocks each)")

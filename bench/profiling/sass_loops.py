@@ -3,12 +3,12 @@ barriers and spill instructions, so that spills in a hot loop (the window kernel
 token loop) can be told from spills once per unit of work:
 
     nvdisasm -c kernel.cubin > kernel.sass
-    python bench/sass_loops.py kernel.sass [--min-ffma N]
+    python bench/profiling/sass_loops.py kernel.sass [--min-ffma N]
 
 A loop is a backward branch and the instructions from its target to it; nested loops
 are listed each with the instructions of the loops inside them. Only loops with at
 least N fused multiply-adds (default 60) are listed: the rest are copies and waits.
-bench/window_registers.sh runs this for every instantiation when nvdisasm is on PATH
+bench/profiling/window_registers.sh runs this for every instantiation when nvdisasm is on PATH
 (or in $NVDISASM).
 """
 

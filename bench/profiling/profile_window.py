@@ -2,7 +2,7 @@
 profiler can attach to it:
 
     ncu --launch-skip 2 --launch-count 1 --set full \\
-        python bench/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH
+        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH
 
 REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default).
 """
@@ -15,7 +15,7 @@ from max.driver import Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench import FoldShape
+from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 

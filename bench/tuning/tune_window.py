@@ -2,7 +2,7 @@
 the same layer, at Qwen3-Next shapes and an fp32 pool (``--dtype bfloat16``: a bf16 one),
 in one process:
 
-    python bench/tune_window.py [--kernels DIR [DIR ...]] [--column-tiles T [T ...]] [--rounds N]
+    python bench/tuning/tune_window.py [--kernels DIR [DIR ...]] [--column-tiles T [T ...]] [--rounds N]
                                 [--layers N] [--heads NV NK] [--dims K V] [--dtype D] [--cpu]
                                 [BATCH ...]
 
@@ -37,7 +37,7 @@ from max.driver import CPU, Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench import FoldShape
+from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 

@@ -1,6 +1,6 @@
 """Compiles the GPU window kernel for an H100/H200 (sm_90a) on any machine, no GPU
 needed, and prints the PTX of each instantiation below after a `// window kernel:` line.
-bench/window_registers.sh feeds each to ptxas for its registers and spills, the figures
+bench/profiling/window_registers.sh feeds each to ptxas for its registers and spills, the figures
 that decide how many blocks an SM holds (window_blocks_per_sm).
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler: the API this

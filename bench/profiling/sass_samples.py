@@ -3,8 +3,8 @@ states, instruction by instruction:
 
     ncu --launch-skip 2 --launch-count 1 --set full --import-source no -k regex:mojo_pkg \\
         --page source --print-source sass --csv \\
-        python bench/profile_window.py 64 0 64 > samples.csv
-    python bench/sass_samples.py samples.csv [--top N]
+        python bench/profiling/profile_window.py 64 0 64 > samples.csv
+    python bench/profiling/sass_samples.py samples.csv [--top N]
 
 It prints the share of the samples and of the executed instructions by opcode, the
 share by stall reason, the N most sampled instructions with their two main reasons, and

@@ -1,0 +1,194 @@
+"""What the fold benchmark (``bench``) and the step benchmark (``bench_step``) share.
+
+Timing: a graph of R chained links (folds, or decoding steps) against a graph of one,
+per link = (t_R - t_1) / (R - 1), best of several runs, so the graph-call overhead
+cancels. Variants are timed side by side in one process, round after round, since
+times taken in separate processes differ by up to 10% on a GPU and more on a shared CPU.
+Rows render as a rich table and write as JSON, a ratio that was not measured as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import Graph
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .layout import RecordLayout
+
+
+@dataclass(frozen=True)
+class FoldShape:
+    """Model shapes of the benchmarks (defaults: Qwen3-Next-80B's gated-delta layers)."""
+
+    num_layers: int = 36
+    num_value_heads: int = 32
+    num_key_heads: int = 16
+    key_dim: int = 128
+    value_dim: int = 128
+    ring_len: int = 4
+    accepted: int = 3
+
+    @property
+    def layout(self) -> RecordLayout:
+        return RecordLayout(self.key_dim, self.value_dim, self.num_value_heads // self.num_key_heads)
+
+    def state_bytes(self, batch: int, state_dtype: DType) -> int:
+        """Bytes of state one pass over the batch's rows touches (every layer)."""
+        elements = self.num_layers * batch * self.num_value_heads * self.key_dim * self.value_dim
+        return elements * state_dtype.size_in_bytes
+
+    def record_bytes(self, batch: int) -> int:
+        """Bytes of record fields the batch's folds read."""
+        records = self.num_layers * batch * self.num_key_heads * self.accepted
+        return records * self.layout.elements * 4
+
+    def fold_bytes(self, batch: int, state_dtype: DType) -> int:
+        """Bytes a fold moves: the state read and written once, and the records read."""
+        return 2 * self.state_bytes(batch, state_dtype) + self.record_bytes(batch)
+
+
+def best_seconds(run: Callable[[], None], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` (after one warm-up call)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
+    """Compiles graphs several at a time. Build them first, one after another: building
+    shares the kernel package cache."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(session.load, graphs))
+
+
+class ChainedGraphs:
+    """Compiled graphs of 1 and ``chain`` chained links of each (variant, state dtype) on
+    one device. Subclasses say how a graph of n links is built."""
+
+    def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int) -> None:
+        self.session, self.device, self.shape, self.chain = session, device, shape, chain
+        self._models: dict[tuple[str, DType, int], Model] = {}
+
+    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
+        raise NotImplementedError
+
+    def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
+        """Compiles, several at a time, the graphs of one link and, when ``chained``, of
+        ``chain`` links."""
+        lengths = (1, self.chain) if chained else (1,)
+        keys = [(v, d, n) for v in variants for d in dtypes for n in lengths]
+        models = load_in_parallel(self.session, [self.build(*k) for k in keys])
+        self._models.update(zip(keys, models, strict=True))
+
+    def model(self, variant: str, state_dtype: DType, links: int) -> Model:
+        """The graph of ``links`` links, compiled on first use."""
+        key = (variant, state_dtype, links)
+        if key not in self._models:
+            self._models[key] = self.session.load(self.build(*key))
+        return self._models[key]
+
+    def per_link_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
+        """(t_R - t_1) / (R - 1) over the graphs of R = ``chain`` links and of one."""
+        def timed(links: int) -> float:
+            model = self.model(variant, state_dtype, links)
+
+            def run() -> None:
+                model.execute(*operands)
+                self.device.synchronize()
+
+            return best_seconds(run, repeats)
+
+        one = timed(1)
+        many = timed(self.chain)
+        return max(many - one, 0.0) / (self.chain - 1)
+
+
+def ratio(baseline: float, seconds: float) -> float:
+    """``baseline / seconds``, NaN where either was not measured."""
+    return baseline / seconds if seconds > 0 and not math.isnan(baseline) else float("nan")
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """Per-round times of each variant at one (dtype, batch), in seconds."""
+
+    seconds: dict[str, list[float]]
+
+    def median(self, variant: str) -> float:
+        values = self.seconds.get(variant)
+        return statistics.median(values) if values else float("nan")
+
+    def ratio_range(self, baseline: str, variant: str) -> tuple[float, float]:
+        """The smallest and largest per-round ``baseline / variant``, NaN if not measured."""
+        if baseline not in self.seconds or variant not in self.seconds:
+            return float("nan"), float("nan")
+        each = [ratio(b, v) for b, v in zip(self.seconds[baseline], self.seconds[variant], strict=True)]
+        return min(each), max(each)
+
+
+def measure_rounds(variants: Sequence[str], rounds: int, timers: dict[str, Callable[[], float]]) -> Rounds:
+    """Times every variant once per round, in turn, for ``rounds`` rounds."""
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            seconds[variant].append(timers[variant]())
+    return Rounds(seconds)
+
+
+def sweep(dtypes: Iterable[DType], batches: Iterable[int], console: Console, what: str
+          ) -> Iterator[tuple[DType, int]]:
+    """Every (dtype, batch) in order, behind a transient progress bar."""
+    cells = [(d, b) for d in dtypes for b in batches]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(what, total=len(cells))
+        for state_dtype, batch in cells:
+            progress.update(task, description=f"{what}: {state_dtype.name} batch {batch}")
+            yield state_dtype, batch
+            progress.advance(task)
+
+
+def render_rows(title: str, columns: Sequence[tuple[str, Callable[[Any], str]]], rows: Sequence[Any],
+                console: Console) -> None:
+    """Prints ``rows`` as a table: each column a header and how to show a row's cell."""
+    table = Table(title=title)
+    for header, _ in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(show(row) for _, show in columns))
+    console.print(table)
+
+
+def times(value: float) -> str:
+    """A ratio as the tables print it; a dash where it was not measured."""
+    return "-" if math.isnan(value) else f"{value:.2f}x"
+
+
+def write_json(rows: Sequence[Any], path: str) -> None:
+    """Dataclass rows as a JSON list; NaN (not measured) is written as null, which JSON
+    has, where a bare NaN is not JSON."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and math.isnan(value):
+            return None
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    with open(path, "w") as out:
+        json.dump([{k: plain(v) for k, v in asdict(r).items()} for r in rows], out, indent=2, allow_nan=False)

@@ -1,0 +1,109 @@
+"""Build-time checks the graph-level ops share: static shapes, dtypes and the ring.
+
+Each raises ``ValueError`` naming the argument, the bad value and what was expected,
+before anything is added to the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from max.dtype import DType
+from max.graph import Dim, StaticDim, TensorValue
+
+from .layout import RecordLayout
+
+#: Supported state dtypes, key/value dims and ring lengths.
+STATE_DTYPES = (DType.float32, DType.bfloat16)
+MAX_HEAD_DIM = 256
+MAX_RING_LEN = 16
+
+INTEGER_DTYPES = (
+    DType.uint8,
+    DType.uint16,
+    DType.uint32,
+    DType.uint64,
+    DType.int8,
+    DType.int16,
+    DType.int32,
+    DType.int64,
+)
+
+
+def static_size(dim: Dim | int) -> int | None:
+    """A dimension's size where it is known when the graph is built, else None."""
+    if isinstance(dim, int):
+        return dim
+    return int(dim) if isinstance(dim, StaticDim) else None
+
+
+def check_head_dim(name: str, value: int) -> None:
+    """Raises ``ValueError`` unless ``value`` is a multiple of 8 in 8..256."""
+    if value % 8 != 0 or not 8 <= value <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}: {value} is unsupported (a multiple of 8 up to {MAX_HEAD_DIM})")
+
+
+#: Record strides are whole multiples of this many floats, so records load 16 bytes at a time.
+RECORD_VECTOR = 4
+
+
+def pool_dims(state_shape: Sequence[Dim | int], state_dtype: DType) -> tuple[int, int]:
+    """Checks a pool's rank, dtype and static K, V, and returns (K, V).
+
+    Raises:
+        ValueError: naming ``recurrent_state``, the bad value and what was expected.
+    """
+    if len(state_shape) != 4:
+        raise ValueError(f"recurrent_state: expected rank 4 [rows, nv, K, V], got rank {len(state_shape)}")
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"recurrent_state: dtype {state_dtype} is unsupported (float32 or bfloat16)")
+    key_dim, value_dim = static_size(state_shape[2]), static_size(state_shape[3])
+    if key_dim is None or value_dim is None:
+        raise ValueError(f"recurrent_state: K and V must be static, got {state_shape[2]} and {state_shape[3]}")
+    check_head_dim("recurrent_state: K", key_dim)
+    check_head_dim("recurrent_state: V", value_dim)
+    return key_dim, value_dim
+
+
+def ring_parameters(
+    state_shape: Sequence[Dim | int],
+    state_dtype: DType,
+    ring_shape: Sequence[Dim | int],
+    ring_dtype: DType,
+) -> dict[str, int]:
+    """Checks a pool and a ring against each other and returns the static K, V, RING_LEN.
+
+    Raises:
+        ValueError: naming ``recurrent_state`` or ``ring``, the bad value and what was expected.
+    """
+    key_dim, value_dim = pool_dims(state_shape, state_dtype)
+    if len(ring_shape) != 4:
+        raise ValueError(f"ring: expected rank 4 [ring_rows, nk, RING_LEN, stride], got rank {len(ring_shape)}")
+    if ring_dtype != DType.float32:
+        raise ValueError(f"ring: dtype {ring_dtype} is unsupported (float32)")
+    ring_len = static_size(ring_shape[2])
+    if ring_len is None:
+        raise ValueError(f"ring: RING_LEN must be static, got {ring_shape[2]}")
+    if not 1 <= ring_len <= MAX_RING_LEN:
+        raise ValueError(f"ring: RING_LEN {ring_len} is unsupported (1..{MAX_RING_LEN})")
+    nv, nk, stride = (static_size(d) for d in (state_shape[1], ring_shape[1], ring_shape[3]))
+    if nv is not None and nk is not None:
+        if nk < 1 or nv % nk != 0:
+            raise ValueError(f"ring: key heads nk={nk} must divide the pool's value heads nv={nv}")
+        needed = RecordLayout(key_dim, value_dim, nv // nk).elements
+        if stride is not None and stride < needed:
+            raise ValueError(f"ring: record stride {stride} is smaller than K + G*(V+1) = {needed}")
+    if stride is not None and stride % RECORD_VECTOR != 0:
+        raise ValueError(f"ring: record stride {stride} is not a multiple of {RECORD_VECTOR} floats (16 bytes)")
+    return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len}
+
+
+def row_table(name: str, value: TensorValue) -> TensorValue:
+    if value.type.dtype not in INTEGER_DTYPES:
+        raise ValueError(f"{name}: dtype {value.type.dtype} is not an integer dtype")
+    return value if value.type.dtype == DType.uint32 else value.cast(DType.uint32)
+
+
+def shape_text(dims: Sequence[Dim | int]) -> str:
+    """A shape as error messages print it."""
+    return "[" + ", ".join(str(d) for d in dims) + "]"

@@ -105,3 +105,42 @@ def test_fold_blocks_of_1024_threads_build() -> None:
     """(128, 4) on an fp32 pool of V = 128: 32 column threads x 32 row threads, the most a block holds."""
     assert FOLD_OP_NAME in str(_build(state=(8, 4, 128, 128), ring=(8, 2, 4, 416), key_dim_tile=128,
                                       rows_per_thread=4))
+
+
+def test_symbolic_verify_width_is_read_when_the_graph_runs() -> None:
+    """As MAX's fold: at a run-time width of 0 the verify committed the state and wrote
+    no records, so nothing is folded; at any other width the accepted records fold."""
+    import numpy as np
+    from max.driver import CPU as HOST
+    from max.driver import Buffer
+    from max.engine import InferenceSession
+
+    from conftest import assert_bits_equal
+    from gdfold_max.cases import random_fold_case
+
+    case = random_fold_case(31, layers=2, batch=3, key_dim=64, value_dim=64, ring_len=4, num_accepted=[2, 4, 1])
+    inputs = [BufferType(DType.float32, ["rows", 4, 64, 64], CPU),
+              BufferType(DType.float32, ["ring_rows", 2, 4, "stride"], CPU),
+              TensorType(DType.uint32, ["L", "B"], CPU), TensorType(DType.uint32, ["L", "B"], CPU),
+              TensorType(DType.uint32, ["B"], CPU), TensorType(DType.int64, ["K"], CPU)]
+    with Graph("fold_width", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        pool, ring, *tables, width = graph.inputs
+        state_fold(pool.buffer, ring.buffer, *(t.tensor for t in tables), width.tensor)
+        graph.output()
+    model = InferenceSession(devices=[HOST()]).load(graph)
+    for drafts, want in ((0, case.state_in), (3, case.state_out)):
+        state = case.state_in.copy()
+        model.execute(Buffer.from_numpy(state), Buffer.from_numpy(case.ring),
+                      *(Buffer.from_numpy(t) for t in (case.row_ids, case.ring_row_ids, case.num_accepted)),
+                      Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+        assert_bits_equal(state, want, f"width {drafts}")
+
+
+def test_verify_width_of_another_rank_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"verify_width: expected rank 1 \[K\], got shape \[2, 3\]"):
+        inputs = [BufferType(DType.float32, [8, 4, 64, 64], CPU), BufferType(DType.float32, [8, 2, 4, 224], CPU),
+                  TensorType(DType.uint32, [3, 2], CPU), TensorType(DType.uint32, [3, 2], CPU),
+                  TensorType(DType.uint32, [2], CPU), TensorType(DType.int64, [2, 3], CPU)]
+        with Graph("bad_width", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+            pool, ring, *tables, width = graph.inputs
+            state_fold(pool.buffer, ring.buffer, *(t.tensor for t in tables), width.tensor)

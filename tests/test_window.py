@@ -179,6 +179,12 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
     others = [int(case.row_ids[0]), int(case.row_ids[2])]
     assert_bits_equal(state[others], want[1][others], "pool rows of the other requests")
     assert_bits_equal(state[int(case.row_ids[1])], case.state[int(case.row_ids[1])], "the skipped request's row")
+    # The skipped request's ring rows: the one it would record into and the one it would
+    # fold from are as they were; every other request's ring rows are as the reference's.
+    skipped_rings = [int(case.ring_row_ids[1]), int(case.previous_ring_row_ids[1])]
+    assert_bits_equal(ring[skipped_rings], case.ring[skipped_rings], "the skipped request's ring rows")
+    other_rings = np.setdiff1d(np.arange(ring.shape[0]), skipped_rings)
+    assert_bits_equal(ring[other_rings], want[2][other_rings], "ring rows of the other requests")
 
 
 # (state dtype, column_tile, requests_per_block, number of requests). The small cases

@@ -108,5 +108,10 @@ def test_our_verify_beside_max_verify(state_dtype_name: str) -> None:
     assert np.array_equal(bits(ring_ours[keys]), bits(ring_max[keys]))
     assert np.array_equal(bits(ring_ours[decays]), bits(ring_max[decays]))
     # Different summation orders over K = 128 terms: a few fp32 ulps of the largest term.
-    assert _relative(ring_ours[deltas], ring_max[deltas]) < 1e-4
-    assert _relative(readout_ours, readout_max) < 1e-4
+    # Measured on an H200 (MAX 26.7.0): deltas within 8.3e-8 relative, 51% bit-equal;
+    # the readout within 4.8e-7, 11.7% bit-equal. The bounds sit near those figures, so
+    # that a drift in either kernel shows.
+    assert _relative(ring_ours[deltas], ring_max[deltas]) < 2e-7
+    assert _relative(readout_ours, readout_max) < 1e-6
+    assert same_deltas > 0.4
+    assert same_readout > 0.08

@@ -5,12 +5,13 @@ A graph that calls these must be built with ``custom_extensions=[kernels_path()]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from max.dtype import DType
-from max.graph import BufferValue, Dim, TensorValue, ops
+from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
 from .graph_checks import ring_parameters, row_table, shape_text, static_size
 
@@ -162,8 +163,11 @@ def state_fold(
         ring_row_ids: ``[num_layers, batch]`` integer ring rows (cast to uint32).
         num_accepted: ``[batch]`` integer count of records to fold per request. 0 and
             counts past RING_LEN leave the request's rows unread and unwritten.
-        verify_width: optional, as MAX's ``verify_width_operand``; when its static
-            length is 0 the verify wrote no records and nothing is added to the graph.
+        verify_width: optional, as MAX's ``verify_width_operand``: a rank-1 tensor
+            whose length is the verify's draft width (only its length is read). At a
+            width of 0 the verify wrote no records (it committed the state itself), so
+            nothing is folded: a static length of 0 adds nothing to the graph, and a
+            symbolic length is read when the graph runs, as MAX's own fold does.
         key_dim_tile: GPU only: key rows a block keeps in registers (divides K);
             default from :func:`default_tiling`.
         rows_per_thread: GPU only: key rows each thread keeps (divides the tile).
@@ -187,8 +191,11 @@ def state_fold(
         ...     state_fold(*graph.inputs)
         ...     graph.output()
     """
+    width = None
     if verify_width is not None:
-        width = static_size(verify_width.shape[0]) if verify_width.rank == 1 else None
+        if verify_width.rank != 1:
+            raise ValueError(f"verify_width: expected rank 1 [K], got shape {shape_text(list(verify_width.shape))}")
+        width = static_size(verify_width.shape[0])
         if width == 0:
             return
     parameters = fold_parameters(
@@ -200,15 +207,27 @@ def state_fold(
         rows_per_thread,
     )
     check_table_shapes(list(row_ids.shape), list(ring_row_ids.shape), list(num_accepted.shape))
-    ops.inplace_custom(
-        FOLD_OP_NAME,
-        recurrent_state.device,
-        [
-            recurrent_state,
-            ring,
-            row_table("row_ids", row_ids),
-            row_table("ring_row_ids", ring_row_ids),
-            row_table("num_accepted", num_accepted),
-        ],
-        parameters=parameters,
-    )
+    operands = [
+        recurrent_state,
+        ring,
+        row_table("row_ids", row_ids),
+        row_table("ring_row_ids", ring_row_ids),
+        row_table("num_accepted", num_accepted),
+    ]
+
+    def fold_records() -> None:
+        ops.inplace_custom(FOLD_OP_NAME, recurrent_state.device, operands, parameters=parameters)
+
+    if verify_width is not None and width is None:
+        when_no_drafts(verify_width, None, lambda: None, fold_records)
+    else:
+        fold_records()
+
+
+def when_no_drafts(verify_width: TensorValue, out_types: Sequence[TensorType] | None,
+                   no_drafts: Callable[[], Any], drafts: Callable[[], Any]) -> list[TensorValue]:
+    """Runs ``no_drafts`` or ``drafts`` as the graph runs, by the length of a
+    ``verify_width`` operand whose length is symbolic: a shape, read on the host, so the
+    choice costs no device synchronisation. Both return values of ``out_types``."""
+    width = ops.shape_to_tensor(verify_width.shape)[0]
+    return list(ops.cond(ops.equal(width, 0), out_types, no_drafts, drafts) or [])

@@ -1,0 +1,218 @@
+"""gdfold_max inside MAX's own Qwen3.5 speculative pipeline.
+
+MAX 26.7's MTP speculative decoding of Qwen3.5 (``unified_mtp_qwen3_5``) rolls each
+Gated DeltaNet layer back with a verify that records into a ring
+(``qwen3_5.layers.gated_deltanet``, ``gated_delta_recurrence_verify_ring_fwd``) and a
+fold of the accepted records (``unified_mtp_qwen3_5.state_rollback.fold_state_pools``,
+one ``gated_delta_state_fold`` per device). Both modules bind those op names when they
+are imported, so switching means rebinding the names there.
+
+* :func:`patched` (or :func:`install` / :func:`uninstall`) routes the pipeline's fold to
+  :func:`gdfold_max.state_fold` on every device. The fold is bit-identical to MAX's, and
+  it also runs on the CPU, where MAX's has no kernel. With ``verify=True`` the layers'
+  verify runs :func:`gdfold_max.verify_ring` too: its ring records and pools are then
+  those of our verify, bit for bit, and its readout differs from MAX's in the last bits
+  (our documented order of the sums over K; MAX's is not documented).
+* :class:`FusedGatedDeltaNet` is MAX's ``GatedDeltaNet`` with our verify that folds the
+  previous step's records as it loads the state. MAX's pipeline cannot use it as it
+  stands: its state bookkeeping hands each layer one ring row per request and keeps no
+  accepted counts from one step to the next (docs/integrations.md says what it would
+  need). A caller that keeps two ring rows per request and the previous counts calls
+  the layer directly.
+
+The conv window's rollback (``replay_conv_pools``) stays MAX's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from max.dtype import DType
+from max.graph import BufferValue, TensorType, TensorValue, ops
+
+from ..graph import state_fold, when_no_drafts
+from ..graph_checks import static_size
+from ..window_graph import recurrence, verify_ring
+
+try:
+    from max.pipelines.architectures.qwen3_5.layers import gated_deltanet
+    from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback
+except ImportError as error:
+    raise ImportError(
+        f"MAX's Qwen3.5 pipeline does not import ({error}); it needs MAX's serve extra:"
+        " pip install 'gdfold_max[max-pipelines]'"
+    ) from error
+
+#: Where MAX binds each op name this module routes: (module, name).
+FOLD_SITE: tuple[ModuleType, str] = (state_rollback, "gated_delta_state_fold")
+VERIFY_SITE: tuple[ModuleType, str] = (gated_deltanet, "gated_delta_recurrence_verify_ring_fwd")
+
+_lock = threading.RLock()
+#: The names MAX bound, kept while one of ours stands in their place.
+_originals: dict[str, Any] = {}
+
+
+def _key(site: tuple[ModuleType, str]) -> str:
+    return f"{site[0].__name__}.{site[1]}"
+
+
+def _route(site: tuple[ModuleType, str], ours: Any | None) -> None:
+    """Binds ``ours`` at ``site``, or MAX's own name again where ``ours`` is None."""
+    module, name = site
+    key = _key(site)
+    if ours is None:
+        if key in _originals:
+            setattr(module, name, _originals.pop(key))
+        return
+    _originals.setdefault(key, getattr(module, name))
+    setattr(module, name, ours)
+
+
+def install(*, verify: bool = False) -> None:
+    """Routes MAX's Qwen3.5 fold (``fold_state_pools``, every device) to
+    :func:`gdfold_max.state_fold`, and with ``verify=True`` the Gated DeltaNet layers'
+    verify to :func:`verify_like_max`. Calling it again replaces the earlier choice."""
+    with _lock:
+        _route(FOLD_SITE, state_fold)
+        _route(VERIFY_SITE, verify_like_max if verify else None)
+
+
+def uninstall() -> None:
+    """Puts MAX's own op names back."""
+    with _lock:
+        _route(FOLD_SITE, None)
+        _route(VERIFY_SITE, None)
+
+
+def installed() -> dict[str, bool]:
+    """Which of MAX's names are routed to ours now: ``{"fold": ..., "verify": ...}``."""
+    with _lock:
+        return {"fold": _key(FOLD_SITE) in _originals, "verify": _key(VERIFY_SITE) in _originals}
+
+
+@contextmanager
+def patched(*, verify: bool = False) -> Iterator[None]:
+    """:func:`install` for the ``with`` block; on the way out, also after an exception,
+    every name is bound as it was before the block (MAX's, or an outer install's).
+
+    Graphs built inside the block use our ops; a graph built and compiled before keeps
+    what it was built with."""
+    with _lock:
+        before = {site: getattr(site[0], site[1]) for site in (FOLD_SITE, VERIFY_SITE)}
+        originals = dict(_originals)
+        install(verify=verify)
+    try:
+        yield
+    finally:
+        with _lock:
+            for (module, name), value in before.items():
+                setattr(module, name, value)
+            _originals.clear()
+            _originals.update(originals)
+
+
+def verify_like_max(
+    qkv_conv_output: TensorValue,
+    decay_per_token: TensorValue,
+    beta_per_token: TensorValue,
+    recurrent_state: BufferValue,
+    ring: BufferValue,
+    slot_idx: TensorValue,
+    ring_slot_idx: TensorValue,
+    input_row_offsets: TensorValue,
+    verify_width: TensorValue,
+) -> TensorValue:
+    """Our verify with the arguments and the width rule of MAX's
+    ``gated_delta_recurrence_verify_ring_fwd``: at a verify width of 0 there is nothing
+    to roll back, so the window lands on the pool (our forward) and no record is
+    written; otherwise each token records into the ring and the pool is only read."""
+    def forward() -> TensorValue:
+        return recurrence(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, slot_idx,
+                          input_row_offsets)
+
+    def record() -> TensorValue:
+        return verify_ring(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, ring, slot_idx,
+                           ring_slot_idx, input_row_offsets)
+
+    return _by_width(verify_width, qkv_conv_output, recurrent_state, forward, record)
+
+
+def fused_verify(previous_ring_row_id: TensorValue, previous_num_accepted: TensorValue
+                 ) -> Callable[..., TensorValue]:
+    """MAX's verify signature, bound to the previous step's ring rows and counts: the
+    previous records fold as the state loads, then the window runs (at a verify width
+    of 0, the fold and then our forward)."""
+    def verify(qkv_conv_output: TensorValue, decay_per_token: TensorValue, beta_per_token: TensorValue,
+               recurrent_state: BufferValue, ring: BufferValue, slot_idx: TensorValue, ring_slot_idx: TensorValue,
+               input_row_offsets: TensorValue, verify_width: TensorValue) -> TensorValue:
+        def forward() -> TensorValue:
+            state_fold(recurrent_state, ring, ops.unsqueeze(slot_idx, 0), ops.unsqueeze(previous_ring_row_id, 0),
+                       previous_num_accepted)
+            return recurrence(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, slot_idx,
+                              input_row_offsets)
+
+        def record() -> TensorValue:
+            return verify_ring(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, ring, slot_idx,
+                               ring_slot_idx, input_row_offsets, previous_ring_row_ids=previous_ring_row_id,
+                               previous_num_accepted=previous_num_accepted)
+
+        return _by_width(verify_width, qkv_conv_output, recurrent_state, forward, record)
+
+    return verify
+
+
+def _by_width(verify_width: TensorValue, qkv: TensorValue, recurrent_state: BufferValue,
+              forward: Callable[[], TensorValue], record: Callable[[], TensorValue]) -> TensorValue:
+    """``forward()`` at a verify width of 0, ``record()`` at any other: chosen when the
+    graph is built where the width is static, and as it runs where it is symbolic."""
+    if verify_width.rank != 1:
+        raise ValueError(f"verify_width: expected rank 1 [K], got rank {verify_width.rank}")
+    width = static_size(verify_width.shape[0])
+    if width == 0:
+        return forward()
+    if width is not None:
+        return record()
+    readout = TensorType(DType.float32, [qkv.shape[0], recurrent_state.shape[1] * recurrent_state.shape[3]],
+                         recurrent_state.device)
+    return when_no_drafts(verify_width, [readout], forward, record)[0]
+
+
+class FusedGatedDeltaNet(gated_deltanet.GatedDeltaNet):
+    """MAX's ``GatedDeltaNet`` whose verify folds the previous step's accepted records
+    as it loads the state (:func:`gdfold_max.verify_ring` with fold on load), so the
+    separate fold launches nothing: a decoding step reads and writes the state once.
+
+    Called as MAX's layer is, plus, on a verify (``ring`` and ``verify_width`` given),
+    ``previous_ring_row_id`` (``[batch]``: the ring rows the previous step recorded
+    into) and ``previous_num_accepted`` (``[batch]``: how many of those records each
+    request keeps; 0, or a count past RING_LEN, folds nothing). ``ring.row_id`` must name
+    other rows: keep two ring rows per request and alternate between steps. At a verify
+    width of 0 the previous records fold and the window lands on the pool.
+
+    The pools equal, bit for bit, those of our fold followed by our verify; everything
+    else in the layer (projections, conv, norm) is MAX's.
+    """
+
+    def __call__(self, *args: Any, previous_ring_row_id: TensorValue | None = None,
+                 previous_num_accepted: TensorValue | None = None, **kwargs: Any) -> TensorValue:
+        names = ("x", "conv_pool", "conv_row_id", "recurrent_pool", "recurrent_row_id", "input_row_offsets",
+                 "replay_capture", "ring", "verify_width")
+        given = dict(zip(names, args, strict=False)) | kwargs
+        if given.get("verify_width") is None or given.get("ring") is None:
+            return super().__call__(*args, **kwargs)
+        if previous_ring_row_id is None or previous_num_accepted is None:
+            raise ValueError("previous_ring_row_id, previous_num_accepted: a fused verify needs the previous"
+                             " step's ring rows and accepted counts")
+        # The layer looks its verify up in its module as the graph is built: bind ours,
+        # with this step's tables, for the duration of the call.
+        with _lock:
+            before = getattr(*VERIFY_SITE)
+            setattr(*VERIFY_SITE, fused_verify(previous_ring_row_id, previous_num_accepted))
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                setattr(*VERIFY_SITE, before)

@@ -1,0 +1,304 @@
+"""gdfold_max inside MAX's own Qwen3.5 speculative pipeline: the switch, and MAX's
+rollback and Gated DeltaNet layer running our ops, bit for bit.
+
+CPU: MAX's ``fold_state_pools`` under :func:`patched` in a CPU graph (MAX's own fold
+has no CPU kernel), and our stand-ins for MAX's verify. GPU (marked): MAX's own
+``GatedDeltaNet`` with random weights through a verify and a rollback, MAX's ops beside
+ours.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+pytest.importorskip("max.pipelines.architectures.unified_mtp_qwen3_5.state_rollback",
+                    reason="MAX's pipelines need the max-pipelines extra")
+
+from max.driver import CPU, Buffer  # noqa: E402
+from max.dtype import DType  # noqa: E402
+from max.engine import InferenceSession  # noqa: E402
+from max.graph import BufferType, DeviceRef, Graph, TensorType, ops  # noqa: E402
+from max.nn.state_space import gated_delta_state_fold, verify_width_operand  # noqa: E402
+from max.pipelines.architectures.qwen3_5.layers import gated_deltanet  # noqa: E402
+from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # noqa: E402
+
+from conftest import assert_bits_equal, bits  # noqa: E402
+from gdfold_max import kernels_path, reference, state_fold  # noqa: E402
+from gdfold_max.cases import random_fold_case, random_window_case  # noqa: E402
+from gdfold_max.integrations import max_qwen3_5  # noqa: E402
+
+HOST = DeviceRef.CPU()
+MAX_VERIFY = gated_deltanet.gated_delta_recurrence_verify_ring_fwd
+
+
+def test_patched_routes_the_fold_and_restores_max_on_exit() -> None:
+    assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
+    with max_qwen3_5.patched():
+        assert state_rollback.gated_delta_state_fold is state_fold
+        assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+        assert max_qwen3_5.installed() == {"fold": True, "verify": False}
+        with max_qwen3_5.patched(verify=True):
+            assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is max_qwen3_5.verify_like_max
+        assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+        assert state_rollback.gated_delta_state_fold is state_fold
+    assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
+    assert max_qwen3_5.installed() == {"fold": False, "verify": False}
+
+
+def test_names_are_restored_after_an_exception() -> None:
+    with pytest.raises(RuntimeError, match="inside"), max_qwen3_5.patched(verify=True):
+        raise RuntimeError("inside")
+    assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
+    assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+
+
+def test_install_and_uninstall() -> None:
+    try:
+        max_qwen3_5.install(verify=True)
+        assert max_qwen3_5.installed() == {"fold": True, "verify": True}
+        max_qwen3_5.install()
+        assert max_qwen3_5.installed() == {"fold": True, "verify": False}
+        assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+    finally:
+        max_qwen3_5.uninstall()
+    assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
+    assert max_qwen3_5.installed() == {"fold": False, "verify": False}
+
+
+@pytest.fixture(scope="module")
+def rollback_model() -> object:
+    """MAX's ``fold_state_pools`` for one device, built under :func:`patched` into a CPU
+    graph, with the draft width symbolic as in MAX's graph."""
+    inputs = [BufferType(DType.float32, ["rows", 4, 64, 64], HOST),
+              BufferType(DType.float32, ["ring_rows", 2, 4, "stride"], HOST),
+              TensorType(DType.uint32, ["layers", "batch"], HOST),
+              TensorType(DType.uint32, ["layers", "batch"], HOST),
+              TensorType(DType.uint32, ["batch"], HOST),
+              TensorType(DType.int64, ["drafts"], HOST)]
+    with max_qwen3_5.patched(), Graph("rollback", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        pool, ring, rows, ring_rows, accepted, width = graph.inputs
+        state_rollback.fold_state_pools([pool.buffer], [rows.tensor], [ring.buffer], [ring_rows.tensor],
+                                        accepted.tensor, [], width.tensor)
+        graph.output()
+    return InferenceSession(devices=[CPU()]).load(graph)
+
+
+@pytest.mark.parametrize("drafts", [3, 0])
+def test_max_rollback_under_patched_is_bit_exact_on_the_cpu(rollback_model: object, drafts: int) -> None:
+    """Several layers, shuffled tables, counts of 0, 1, a full ring and past the ring:
+    the reference's pool at any width but 0, where the verify committed and nothing folds."""
+    case = random_fold_case(41, layers=3, batch=4, num_accepted=[0, 1, 4, 5])
+    state = case.state_in.copy()
+    rollback_model.execute(  # type: ignore[attr-defined]
+        Buffer.from_numpy(state), Buffer.from_numpy(case.ring),
+        *(Buffer.from_numpy(t) for t in (case.row_ids, case.ring_row_ids, case.num_accepted)),
+        Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+    assert_bits_equal(state, case.state_out if drafts else case.state_in)
+    if drafts:
+        want = reference.fold(case.state_in.copy(), case.ring, case.row_ids, case.ring_row_ids, case.num_accepted)
+        assert_bits_equal(state, want, "against the reference fold")
+
+
+def _window_graph(kind: str, case: object, symbolic: bool) -> Graph:
+    c = case
+    f32, u32 = DType.float32, DType.uint32
+    width_dim = "drafts" if symbolic else 3
+    inputs = [TensorType(f32, ["T", c.qkv.shape[1]], HOST), TensorType(f32, ["T", c.decay.shape[1]], HOST),  # type: ignore[attr-defined]
+              TensorType(f32, ["T", c.decay.shape[1]], HOST),  # type: ignore[attr-defined]
+              BufferType(f32, ["rows", *c.state.shape[1:]], HOST),  # type: ignore[attr-defined]
+              BufferType(f32, ["ring_rows", *c.ring.shape[1:]], HOST),  # type: ignore[attr-defined]
+              TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(u32, ["B1"], HOST),
+              TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(DType.int64, [width_dim], HOST)]
+    with Graph(f"{kind}_{symbolic}", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous, accepted, width = graph.inputs
+        verify = (max_qwen3_5.verify_like_max if kind == "verify"
+                  else max_qwen3_5.fused_verify(previous.tensor, accepted.tensor))
+        graph.output(verify(qkv_conv_output=qkv.tensor, decay_per_token=decay.tensor, beta_per_token=beta.tensor,
+                            recurrent_state=pool.buffer, ring=ring.buffer, slot_idx=rows.tensor,
+                            ring_slot_idx=ring_rows.tensor, input_row_offsets=offsets.tensor,
+                            verify_width=width.tensor))
+    return graph
+
+
+@pytest.mark.parametrize("kind", ["verify", "fused"])
+def test_our_verify_in_max_s_signature_keeps_max_s_width_rule(kind: str) -> None:
+    """At a width of 0 the window lands on the pool (the forward; fused: after the
+    previous records fold); otherwise it records. Both against the reference, bit for
+    bit, with the width static and symbolic."""
+    case = random_window_case(42, windows=[4, 1, 3, 2], previous_num_accepted=[4, 0, 2, 1])
+    session = InferenceSession(devices=[CPU()])
+    tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
+              case.previous_num_accepted)
+    for symbolic, widths in ((False, [3]), (True, [3, 0])):
+        model = session.load(_window_graph(kind, case, symbolic))
+        for drafts in widths:
+            pool, ring = case.fresh()
+            (out,) = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in case.tokens()),
+                                   Buffer.from_numpy(pool), Buffer.from_numpy(ring),
+                                   *(Buffer.from_numpy(t) for t in tables),
+                                   Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+            want_pool, want_ring = case.fresh()
+            previous = {}
+            if kind == "fused":
+                previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                            "previous_num_accepted": case.previous_num_accepted}
+            if drafts:
+                want = reference.verify_ring(*case.tokens(), want_pool, want_ring, case.row_ids, case.ring_row_ids,
+                                             case.input_row_offsets, **previous)
+            else:
+                if previous:
+                    reference.fold(want_pool, want_ring, case.row_ids[None], case.previous_ring_row_ids[None],
+                                   case.previous_num_accepted)
+                want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
+                                                num_key_heads=case.num_key_heads)
+            what = f"{kind}, width {drafts}{' (symbolic)' if symbolic else ''}"
+            assert_bits_equal(out.to_numpy(), want, f"{what}: readout")
+            assert_bits_equal(pool, want_pool, f"{what}: pool")
+            assert_bits_equal(ring, want_ring, f"{what}: ring")
+
+
+# ---- GPU: MAX's own Gated DeltaNet layer, with random weights ----------------------------
+
+HIDDEN, NK, NV, HEAD, CONV = 256, 2, 4, 128, 4
+BATCH, WINDOW, RING_LEN, STRIDE = 3, 4, 4, 640  # stride: K + G*(V+1) = 386, padded to 128 bytes
+
+
+def _layer(dtype: DType, where: DeviceRef, cls: type) -> object:
+    import ml_dtypes
+
+    from gdfold_max.eager_base import host_buffer
+
+    layer = cls(HIDDEN, NK, NV, HEAD, HEAD, CONV, dtype, where)
+    rng = np.random.default_rng(51)
+    weights = {}
+    for name, weight in layer.raw_state_dict().items():
+        values = (0.05 * rng.standard_normal([int(d) for d in weight.shape])).astype(np.float32)
+        # bf16 weights travel as their bits (DLPack has no bf16).
+        weights[name] = values if weight.dtype == DType.float32 else host_buffer(values.astype(ml_dtypes.bfloat16))
+    layer.load_state_dict(weights)
+    return layer
+
+
+def _step_graph(dtype: DType, where: DeviceRef, variant: str) -> tuple[Graph, object]:
+    """One verify of every request's window through the layer, then MAX's rollback fold
+    (``fold_state_pools``): ``max`` as MAX ships it, ``patched`` with our fold, ``ours``
+    with our verify and fold, ``fused`` with the verify folding the previous records on
+    load (and the rollback then folding nothing: its width is 0)."""
+    from max.pipelines.architectures.qwen3_5.state_cache import GatedDeltaRingAccess
+
+    cls = max_qwen3_5.FusedGatedDeltaNet if variant == "fused" else gated_deltanet.GatedDeltaNet
+    layer = _layer(dtype, where, cls)
+    conv_dim = 2 * NK * HEAD + NV * HEAD
+    u32 = DType.uint32
+    inputs = [TensorType(dtype, ["T", HIDDEN], where), BufferType(dtype, ["crows", conv_dim, CONV - 1], where),
+              BufferType(dtype, ["rows", NV, HEAD, HEAD], where),
+              BufferType(DType.float32, ["ring_rows", NK, RING_LEN, STRIDE], where),
+              TensorType(u32, ["B"], where), TensorType(u32, ["B"], where), TensorType(u32, ["B1"], where),
+              TensorType(u32, ["B"], where), TensorType(u32, ["B"], where), TensorType(u32, ["B"], where)]
+    routes = {"max": None, "patched": {}, "ours": {"verify": True}, "fused": {}}[variant]
+    with Graph(f"gdn_{variant}_{dtype.name}", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        width = verify_width_operand(WINDOW - 1)
+        x, conv, pool, ring, rows, ring_rows, offsets, previous_rows, previous_accepted, accepted = graph.inputs
+        with max_qwen3_5.patched(**routes) if routes is not None else nullcontext():
+            extra = ({"previous_ring_row_id": previous_rows.tensor, "previous_num_accepted": previous_accepted.tensor}
+                     if variant == "fused" else {})
+            out = layer(x.tensor, conv.buffer, rows.tensor, pool.buffer, rows.tensor, offsets.tensor,
+                        ring=GatedDeltaRingAccess(pool=ring.buffer, row_id=ring_rows.tensor), verify_width=width,
+                        **extra)
+            if variant != "fused":
+                state_rollback.fold_state_pools([pool.buffer], [ops.unsqueeze(rows.tensor, 0)], [ring.buffer],
+                                                [ops.unsqueeze(ring_rows.tensor, 0)], accepted.tensor, [], width)
+        graph.output(out)
+    return graph, layer
+
+
+def _run_steps(dtype: DType, variant: str, steps: list[dict[str, np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Runs the layer's steps on the GPU from one starting pool; returns each step's
+    output and the pool after the last step's rollback (for ``fused``, after one more
+    fold of the last step's records, as the next verify would do on load)."""
+    import ml_dtypes
+    from max.driver import Accelerator
+
+    from gdfold_max import fold
+    from gdfold_max.eager_base import copy_back, host_buffer
+
+    gpu = Accelerator()
+    graph, layer = _step_graph(dtype, DeviceRef.GPU(), variant)
+    model = InferenceSession(devices=[gpu]).load(graph, weights_registry=layer.state_dict())  # type: ignore[attr-defined]
+    np_dtype = np.float32 if dtype == DType.float32 else ml_dtypes.bfloat16
+    rng = np.random.default_rng(52)
+    conv_dim = 2 * NK * HEAD + NV * HEAD
+    conv = (0.1 * rng.standard_normal((BATCH, conv_dim, CONV - 1))).astype(np_dtype)
+    pool = (0.1 * rng.standard_normal((BATCH, NV, HEAD, HEAD))).astype(np_dtype)
+    ring = np.zeros((2 * BATCH, NK, RING_LEN, STRIDE), np.float32)
+    up = [host_buffer(a).to(gpu) for a in (conv, pool, ring)]
+    outputs = []
+    rows = np.arange(BATCH, dtype=np.uint32)
+    previous_accepted = np.zeros(BATCH, np.uint32)
+    for i, step in enumerate(steps):
+        ring_rows = rows + np.uint32(BATCH * (i % 2))
+        previous_rows = rows + np.uint32(BATCH * ((i + 1) % 2))
+        tables = [rows, ring_rows, np.arange(0, BATCH * WINDOW + 1, WINDOW, dtype=np.uint32), previous_rows,
+                  previous_accepted, step["accepted"]]
+        (out,) = model.execute(host_buffer(step["x"].astype(np_dtype)).to(gpu), *up,
+                               *(Buffer.from_numpy(t).to(gpu) for t in tables))
+        host = np.empty((BATCH * WINDOW, HIDDEN), np_dtype)
+        copy_back(out, host)
+        outputs.append(host)
+        previous_accepted = step["accepted"]
+    copy_back(up[1], pool)
+    if variant == "fused":  # the last step's records, as the next verify would fold them
+        copy_back(up[2], ring)
+        fold(pool, ring, rows[None], (rows + np.uint32(BATCH * ((len(steps) - 1) % 2)))[None], previous_accepted,
+             device="gpu")
+    return outputs, pool
+
+
+STEPS_SEED = 53
+
+
+def _steps() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(STEPS_SEED)
+    return [{"x": rng.standard_normal((BATCH * WINDOW, HIDDEN)).astype(np.float32),
+             "accepted": np.array(accepted, np.uint32)} for accepted in ([4, 1, 2], [0, 3, 4], [2, 2, 1])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=["fp32", "bf16"])
+def test_max_gated_deltanet_under_patched_is_bit_identical_to_max(dtype: DType) -> None:
+    """MAX's layer and MAX's rollback, with our fold in place of MAX's: every output and
+    the pool after three steps equal MAX's own, bit for bit."""
+    steps = _steps()
+    theirs, their_pool = _run_steps(dtype, "max", steps)
+    ours, our_pool = _run_steps(dtype, "patched", steps)
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert_bits_equal(a, b, f"step {i}: layer output")
+    assert_bits_equal(our_pool, their_pool, "pool after three steps")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=["fp32", "bf16"])
+def test_fused_layer_equals_our_verify_then_fold(dtype: DType) -> None:
+    """The fused layer (fold on load, nothing in the rollback) against MAX's layer with
+    our verify and our fold: outputs and pools bit-identical. Beside MAX's own ops, the
+    outputs differ by the order of the sums over K, which MAX does not document; the
+    distance is printed."""
+    steps = _steps()
+    unfused, unfused_pool = _run_steps(dtype, "ours", steps)
+    fused, fused_pool = _run_steps(dtype, "fused", steps)
+    for i, (a, b) in enumerate(zip(fused, unfused, strict=True)):
+        assert_bits_equal(a, b, f"step {i}: layer output")
+    assert_bits_equal(fused_pool, unfused_pool, "pool after three steps")
+    theirs, their_pool = _run_steps(dtype, "max", steps)
+    for i, (a, b) in enumerate(zip(unfused, theirs, strict=True)):
+        print(f"[{dtype.name}] step {i}: output beside MAX's: {_distance(a, b)}")
+    print(f"[{dtype.name}] pool after three steps beside MAX's: {_distance(unfused_pool, their_pool)}")
+
+
+def _distance(ours: np.ndarray, theirs: np.ndarray) -> str:
+    a, b = ours.astype(np.float64), theirs.astype(np.float64)
+    same = float(np.mean(bits(ours) == bits(theirs)))
+    return f"max relative difference {np.max(np.abs(a - b)) / np.max(np.abs(b)):.2e}, {100 * same:.1f}% bit-equal"

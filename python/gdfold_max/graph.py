@@ -32,8 +32,12 @@ def kernels_path() -> Path:
     return Path(__file__).resolve().parents[2] / "mojo"
 
 
-#: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD): the best of a
-#: sweep on an H200 at Qwen3-Next shapes (bench/tuning/tune_tiles.py; bench/results/fold-tiles-h200-2026-11-29.txt).
+#: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD), measured on an H200 at
+#: Qwen3-Next shapes (bench/tuning/tune_tiles.py). fp32: (64, 8) is 4.5% faster than (128, 8) at
+#: batch 1 and 1.2-1.4% slower at batches 64 and 256 (bench/results/fold-tiles-h200-2026-12-01.txt);
+#: one graph serves every batch, so the default favours the small batches of speculative decoding.
+#: bf16: (128, 16), the fastest of seven tilings at batches 1 and 64
+#: (bench/results/fold-tiles-h200-2026-11-29.txt).
 #: A thread keeps ROWS_PER_THREAD 16-byte state vectors in flight: 128 bytes for fp32, 256 for bf16.
 PREFERRED_TILING = {DType.float32: (64, 8), DType.bfloat16: (128, 16)}
 

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import reference
-from .layout import RecordLayout
+from .layout import Gate, RecordLayout
 
 
 @dataclass
@@ -107,6 +107,7 @@ def random_fold_case(
     num_accepted: list[int] | None = None,
     spare_rows: int = 3,
     stride_pad: int = 0,
+    gate: Gate = "head",
 ) -> FoldCase:
     """Random records straight into a NaN-poisoned ring; ``state_out`` from the reference fold.
 
@@ -115,7 +116,7 @@ def random_fold_case(
     """
     rng = np.random.default_rng(seed)
     dtype = _state_dtype(state_dtype)
-    layout = RecordLayout(key_dim, value_dim, num_value_heads // num_key_heads)
+    layout = RecordLayout(key_dim, value_dim, num_value_heads // num_key_heads, gate)
     stride = layout.min_stride + stride_pad
     rows = layers * batch + spare_rows
     ring_rows = layers * batch + 1
@@ -135,11 +136,12 @@ def random_fold_case(
             deltas = layout.delta_offset(0)
             records[..., deltas : deltas + g * value_dim] = rng.standard_normal(
                 (num_key_heads, written, g * value_dim)) * 0.3
-            decays = layout.decay_offset(0)
-            records[..., decays : decays + g] = rng.uniform(0.5, 1.0, (num_key_heads, written, g))
-    state_out = reference.fold(state.copy(), ring, row_ids, ring_row_ids, accepted)
+            decays, width = layout.decay_offset(0), g * layout.decay_length
+            records[..., decays : decays + width] = rng.uniform(0.5, 1.0, (num_key_heads, written, width))
+    state_out = reference.fold(state.copy(), ring, row_ids, ring_row_ids, accepted, gate=gate)
     meta = _case_meta(layers, batch, num_value_heads, num_key_heads, key_dim, value_dim, ring_len, stride,
                       state_dtype, seed, source="gdfold_max.cases.random_fold_case (numpy reference fold)")
+    meta["gate"] = gate
     return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, meta=meta)
 
 
@@ -156,6 +158,7 @@ def spec_decode_case(
     verify_width: int = 3,
     state_dtype: str = "float32",
     num_accepted: list[int] | None = None,
+    gate: Gate = "head",
 ) -> FoldCase:
     """A verify step run by the numpy reference, with the expected pool after the fold.
 
@@ -168,7 +171,7 @@ def spec_decode_case(
     rng = np.random.default_rng(seed)
     dtype = _state_dtype(state_dtype)
     heads = reference.HeadShape(num_key_heads, num_value_heads, key_dim, value_dim)
-    layout = RecordLayout(key_dim, value_dim, heads.group_size)
+    layout = RecordLayout(key_dim, value_dim, heads.group_size, gate)
     window = verify_width + 1
     rows, ring_rows = layers * batch + 2, layers * batch + 1
     if num_accepted is None:
@@ -177,7 +180,8 @@ def spec_decode_case(
     tokens = batch * window
     offsets = np.arange(0, tokens + 1, window, dtype=np.uint32)
     qkv = rng.standard_normal((layers, tokens, heads.qkv_width)).astype(np.float32)
-    decay = rng.uniform(0.6, 1.0, (layers, tokens, num_value_heads)).astype(np.float32)
+    decay_shape = (layers, tokens, num_value_heads) + ((key_dim,) if gate == "channel" else ())
+    decay = rng.uniform(0.6, 1.0, decay_shape).astype(np.float32)
     beta = rng.uniform(0.0, 1.0, (layers, tokens, num_value_heads)).astype(np.float32)
     state = (rng.standard_normal((rows, num_value_heads, key_dim, value_dim)) * 0.1).astype(np.float32).astype(dtype)
     ring = np.full((ring_rows, num_key_heads, ring_len, layout.min_stride), np.nan, np.float32)
@@ -198,6 +202,7 @@ def spec_decode_case(
     meta = _case_meta(layers, batch, num_value_heads, num_key_heads, key_dim, value_dim, ring_len,
                       layout.min_stride, state_dtype, seed, verify_width=verify_width,
                       source="gdfold_max.cases.spec_decode_case (numpy reference verify + forward)")
+    meta["gate"] = gate
     extras = dict(qkv=qkv, decay=decay, beta=beta, input_row_offsets=offsets)
     return FoldCase(state, ring, row_ids, ring_row_ids, accepted, state_out, extras=extras, meta=meta)
 
@@ -244,6 +249,7 @@ def random_window_case(
     value_dim: int = 64,
     ring_len: int = 4,
     state_dtype: str = "float32",
+    gate: Gate = "head",
 ) -> WindowCase:
     """A ragged batch of windows over a random pool, with previous records to fold.
 
@@ -257,7 +263,7 @@ def random_window_case(
     batch = len(windows)
     counts = previous_num_accepted if previous_num_accepted is not None else [ring_len, 1, 0, ring_len + 1, 2]
     counts = [counts[b % len(counts)] for b in range(batch)]
-    layout = RecordLayout(key_dim, value_dim, num_value_heads // num_key_heads)
+    layout = RecordLayout(key_dim, value_dim, num_value_heads // num_key_heads, gate)
     offsets = np.concatenate([[0], np.cumsum(windows)]).astype(np.uint32)
     tokens = int(offsets[-1])
     width = 2 * num_key_heads * key_dim + num_value_heads * value_dim
@@ -275,7 +281,8 @@ def random_window_case(
     ring[previous_rows] = records
     return WindowCase(
         qkv=rng.standard_normal((tokens, width)).astype(np.float32),
-        decay=rng.uniform(0.6, 1.0, (tokens, num_value_heads)).astype(np.float32),
+        decay=rng.uniform(0.6, 1.0, (tokens, num_value_heads) + ((key_dim,) if gate == "channel" else ())
+                          ).astype(np.float32),
         beta=rng.uniform(0.0, 1.0, (tokens, num_value_heads)).astype(np.float32),
         state=state.astype(dtype),
         ring=ring,

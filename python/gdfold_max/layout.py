@@ -10,14 +10,24 @@ offset                  length   content
 ``K + G*V + j``         ``1``    decay ``d_t`` (already exp'd) of value head ``h*G + j``
 ``K + G*(V+1)``..       --       padding up to the record stride, never read
 ======================  =======  ===============================================
+
+With per-channel gates (``gate="channel"``, Kimi Delta Attention) the decay of value head
+``h*G + j`` is a vector of K decays, one per key row, at ``K + G*V + j*K``, and a record
+needs ``K + G*(V+K)`` floats.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 #: Record strides are whole multiples of this many floats (128 bytes).
 STRIDE_ALIGNMENT = 32
+
+#: How a value head's state decays per token: one scalar per head (Gated DeltaNet), or
+#: one decay per key row (per-channel gates, Kimi Delta Attention).
+Gate = Literal["head", "channel"]
+GATES: tuple[Gate, ...] = ("head", "channel")
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,8 @@ class RecordLayout:
         key_dim: K, the key head dimension.
         value_dim: V, the value head dimension.
         group_size: G = nv // nk, value heads per key head.
+        gate: ``"head"`` (one decay per value head) or ``"channel"`` (K decays per
+            value head).
 
     Example:
         >>> layout = RecordLayout(key_dim=128, value_dim=128, group_size=2)
@@ -35,11 +47,19 @@ class RecordLayout:
         (386, 416)
         >>> layout.delta_offset(1), layout.decay_offset(1)
         (256, 385)
+        >>> per_channel = RecordLayout(128, 128, 2, gate="channel")
+        >>> per_channel.decay_offset(1), per_channel.decay_length, per_channel.elements, per_channel.min_stride
+        (512, 128, 640, 640)
     """
 
     key_dim: int
     value_dim: int
     group_size: int
+    gate: Gate = "head"
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise ValueError(f"gate: {self.gate!r} is not 'head' or 'channel'")
 
     @property
     def key_offset(self) -> int:
@@ -50,14 +70,19 @@ class RecordLayout:
         """Offset of the delta row of value head ``h*G + group_slot``."""
         return self.key_dim + group_slot * self.value_dim
 
+    @property
+    def decay_length(self) -> int:
+        """Floats of one value head's decay: 1, or K with per-channel gates."""
+        return self.key_dim if self.gate == "channel" else 1
+
     def decay_offset(self, group_slot: int) -> int:
-        """Offset of the decay of value head ``h*G + group_slot``."""
-        return self.key_dim + self.group_size * self.value_dim + group_slot
+        """Offset of the decay (or the K decays) of value head ``h*G + group_slot``."""
+        return self.key_dim + self.group_size * self.value_dim + group_slot * self.decay_length
 
     @property
     def elements(self) -> int:
-        """Floats a record needs before padding: ``K + G*(V+1)``."""
-        return self.key_dim + self.group_size * (self.value_dim + 1)
+        """Floats a record needs before padding: ``K + G*(V+1)``, or ``K + G*(V+K)``."""
+        return self.key_dim + self.group_size * (self.value_dim + self.decay_length)
 
     @property
     def min_stride(self) -> int:

@@ -16,6 +16,11 @@ reference reproduces the kernels' readout and records bit for bit as well.
 Shapes follow ``docs/design.md``: ``qkv [T, 2*nk*K + nv*V]`` (q, k, v concatenated),
 ``decay`` and ``beta`` ``[T, nv]``, a pool ``[rows, nv, K, V]`` of float32 or
 ``ml_dtypes.bfloat16``, a ring ``[ring_rows, nk, RING_LEN, stride]`` of float32.
+
+Per-channel gates (Kimi Delta Attention): a ``decay`` of shape ``[T, nv, K]`` decays each
+key row of a value head's state by its own factor, ``S[i, :] = S[i, :] * d[i]``; the rest
+of the step is unchanged, and the records hold K decays per value head
+(``layout.RecordLayout(..., gate="channel")``). :func:`fold` then takes ``gate="channel"``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .layout import RecordLayout
+from .layout import GATES, Gate, RecordLayout
 
 #: Added to the squared norm before the square root in the L2 normalisation.
 L2_EPS = 1e-6
@@ -135,6 +140,22 @@ def query_scale(key_dim: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(float(key_dim)))
 
 
+def decayed(state: F32, decay: NDArray) -> F32:
+    """``state * decay``, rounded to fp32: ``[nv]`` decays scale a value head's whole
+    ``[K, V]`` state, ``[nv, K]`` decays (per-channel gates) each of its key rows."""
+    decay = np.asarray(decay, np.float32)
+    factor = decay[:, None, None] if decay.ndim == 1 else decay[:, :, None]
+    return np.asarray(state * factor, np.float32)
+
+
+def gate_of(decay: NDArray) -> Gate:
+    """``"head"`` for decays of shape ``[T, nv]``, ``"channel"`` for ``[T, nv, K]``."""
+    ndim = np.asarray(decay).ndim
+    if ndim not in (2, 3):
+        raise ValueError(f"decay: expected [T, nv] or [T, nv, K], got rank {ndim}")
+    return "channel" if ndim == 3 else "head"
+
+
 def _token_step(
     state: F32, q: F32, k: F32, v: F32, decay: F32, beta: F32, heads: HeadShape
 ) -> tuple[F32, F32, F32]:
@@ -142,9 +163,8 @@ def _token_step(
 
     Returns the new state, the delta factor ``u`` (``[nv, V]``) and the readout.
     """
-    decay = np.asarray(decay, np.float32)
     beta = np.asarray(beta, np.float32)
-    state = np.asarray(state * decay[:, None, None], np.float32)
+    state = decayed(state, decay)
     kv = lane_dot(state, k)
     inv_k = inverse_norm(k)[:, None]
     delta = np.asarray((beta[:, None] * fma_f32(-kv, inv_k, v)) * inv_k, np.float32)
@@ -172,7 +192,7 @@ def recurrence_fwd(
 
     Args:
         qkv: ``[T, 2*nk*K + nv*V]`` float32, q, k and v of every token.
-        decay: ``[T, nv]`` float32 decays, already exp'd.
+        decay: ``[T, nv]`` float32 decays, already exp'd, or ``[T, nv, K]`` (per-channel).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool, updated in place.
         slot_idx: ``[B]`` pool row of each request.
@@ -212,7 +232,8 @@ def verify_ring(
     """Runs the recurrence over each request's verify window, recording into the ring.
 
     Token ``i`` of request ``b``'s window writes record ``i`` of ring row
-    ``ring_slot_idx[b]``; the pool is not written. A window longer than the ring's
+    ``ring_slot_idx[b]`` (with ``decay [T, nv, K]``, in the per-channel layout); the pool
+    is not written. A window longer than the ring's
     RING_LEN cannot be recorded: that request commits the pool itself, as a plain
     forward would, and writes no record.
 
@@ -223,6 +244,7 @@ def verify_ring(
     Returns:
         The readout, ``[T, nv*V]`` float32.
     """
+    gate = gate_of(decay)
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
         fold(
             recurrent_state,
@@ -230,11 +252,12 @@ def verify_ring(
             np.asarray(slot_idx)[None],
             np.asarray(previous_ring_row_ids)[None],
             previous_num_accepted,
+            gate=gate,
         )
     _, nv, kd, vd = recurrent_state.shape
     _, nk, ring_len, _ = ring.shape
     heads = HeadShape(nk, nv, kd, vd)
-    layout = RecordLayout(kd, vd, heads.group_size)
+    layout = RecordLayout(kd, vd, heads.group_size, gate)
     deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
     readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
     for b, start, end in _requests(input_row_offsets):
@@ -250,7 +273,7 @@ def verify_ring(
                 record = record_row[:, i]  # [nk, stride]
                 record[:, :kd] = k[:: heads.group_size]
                 record[:, deltas_at : deltas_at + heads.group_size * vd] = delta.reshape(nk, -1)
-                record[:, decays_at : decays_at + heads.group_size] = np.asarray(
+                record[:, decays_at : decays_at + heads.group_size * layout.decay_length] = np.asarray(
                     decay[t], np.float32
                 ).reshape(nk, -1)
         if window > ring_len:
@@ -263,12 +286,12 @@ def fold_records(state: NDArray, keys: NDArray, deltas: NDArray, decays: NDArray
 
     Args:
         state: ``[nv, K, V]`` float32.
-        keys: ``[n, nv, K]``; deltas: ``[n, nv, V]``; decays: ``[n, nv]`` float32.
+        keys: ``[n, nv, K]``; deltas: ``[n, nv, V]``; decays: ``[n, nv]`` float32, or
+            ``[n, nv, K]`` with per-channel gates.
     """
     state = _widen(state)
     for t in range(keys.shape[0]):
-        decayed = (state * np.asarray(decays[t], np.float32)[:, None, None]).astype(np.float32)
-        state = fma_f32(keys[t][:, :, None], deltas[t][:, None, :], decayed)
+        state = fma_f32(keys[t][:, :, None], deltas[t][:, None, :], decayed(state, decays[t]))
     return state
 
 
@@ -278,20 +301,25 @@ def fold(
     row_ids: NDArray,
     ring_row_ids: NDArray,
     num_accepted: NDArray,
+    *,
+    gate: Gate = "head",
 ) -> NDArray:
     """Folds the first ``num_accepted[b]`` records of every (layer, request), in place.
 
     The reference twin of :func:`gdfold_max.fold`, with the same row semantics: a
     request with 0 or more than RING_LEN accepted records is not read or written.
-    (Layer, request) pairs are applied in row-table order.
+    (Layer, request) pairs are applied in row-table order. ``gate="channel"`` reads the
+    records' K decays per value head (per-channel gates).
 
     Returns:
         ``recurrent_state``, folded.
     """
+    if gate not in GATES:
+        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
     _, nv, kd, vd = recurrent_state.shape
     _, nk, ring_len, _ = ring.shape
     group = nv // nk
-    layout = RecordLayout(kd, vd, group)
+    layout = RecordLayout(kd, vd, group, gate)
     deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
     row_ids = np.asarray(row_ids)
     ring_row_ids = np.asarray(ring_row_ids)
@@ -304,12 +332,14 @@ def fold(
             keys = np.repeat(records[:, :, :kd], group, axis=0)  # [nv, n, K]
             deltas = records[:, :, deltas_at : deltas_at + group * vd]
             deltas = deltas.reshape(nk, accepted, group, vd).transpose(0, 2, 1, 3)
-            decays = records[:, :, decays_at : decays_at + group].transpose(0, 2, 1)
+            width = layout.decay_length
+            fields = records[:, :, decays_at : decays_at + group * width].reshape(nk, accepted, group, width)
+            decays = fields.transpose(1, 0, 2, 3).reshape(accepted, nv, width)  # [n, nv, 1 or K]
             state = fold_records(
                 recurrent_state[row],
                 keys.transpose(1, 0, 2),
                 deltas.reshape(nv, accepted, vd).transpose(1, 0, 2),
-                decays.reshape(nv, accepted).T,
+                decays[:, :, 0] if gate == "head" else decays,
             )
             recurrent_state[row] = _narrow_like(state, recurrent_state)
     return recurrent_state
@@ -321,7 +351,9 @@ __all__ = [
     "HeadShape",
     "fma_f32",
     "fold",
+    "decayed",
     "fold_records",
+    "gate_of",
     "inverse_norm",
     "lane_dot",
     "query_scale",

@@ -154,7 +154,9 @@ class WindowRunner(CompiledGraphs):
         device: ``None``/``"cpu"`` for the host, ``"gpu"`` or a ``max.driver.Device``.
         column_tile: GPU only: value columns one block owns (4, 8, 16 or a multiple of 16
             that divides V).
-        requests_per_block: GPU only: as in :func:`gdfold_max.verify_ring`.
+        requests_per_block: GPU only: units of work per block, where a unit is one request
+            on one column tile of one value head (not a whole request), as in
+            :func:`gdfold_max.verify_ring`.
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,

@@ -279,7 +279,8 @@ def recurrence(
         row_ids: ``[B]`` pool row of each request.
         input_row_offsets: ``[B+1]`` token offsets, from 0 to T.
         column_tile: GPU only: value columns one block owns.
-        requests_per_block: GPU only: as in :func:`verify_ring`.
+        requests_per_block: GPU only: units of work (a request on one column tile of one
+            value head) per block, as in :func:`verify_ring`.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.

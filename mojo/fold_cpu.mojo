@@ -5,7 +5,7 @@ from std.math import fma
 from std.memory import stack_allocation
 
 from .float_env import keep_subnormals, write_float_control
-from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
+from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 from .state_cast import narrow, widen
 
 # Lanes per SIMD step along the value dimension. K and V are multiples of 8.
@@ -14,7 +14,7 @@ comptime CPU_LANES = 8
 
 @always_inline
 def fold_head_cpu[
-    state_dtype: DType, K: Int, V: Int, RING_LEN: Int
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool = False
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, _],
@@ -28,7 +28,8 @@ def fold_head_cpu[
     """Folds `accepted` records (1 to RING_LEN, record t at `record_base + t *
     record_stride`) into one value head's [K, V] block at `state_base`, row by row.
 
-    The caller sets the float control (keep_subnormals) around it."""
+    With `CHANNEL` (per-channel gates) a record holds K decays per value head and row i
+    decays by the i-th. The caller sets the float control (keep_subnormals) around it."""
     # Vectors of one row processed together (V is a multiple of CPU_LANES).
     comptime GROUP = 4 if V % (4 * CPU_LANES) == 0 else (
         2 if V % (2 * CPU_LANES) == 0 else 1
@@ -37,12 +38,19 @@ def fold_head_cpu[
     # the loops below keep them in cache and registers.
     var keys = stack_allocation[RING_LEN * K, DType.float32]()
     var deltas = stack_allocation[RING_LEN * V, DType.float32]()
-    var decays = stack_allocation[RING_LEN, DType.float32]()
+    comptime DECAYS = K if CHANNEL else 1
+    var decays = stack_allocation[RING_LEN * DECAYS, DType.float32]()
     var delta_at = delta_offset[K, V](group_slot)
     var decay_at = decay_offset[K, V](group_size, group_slot)
+    comptime if CHANNEL:
+        decay_at = channel_decay_offset[K, V](group_size, group_slot)
     for t in range(accepted):
         var record = record_base + t * record_stride
-        decays[unsafe_offset=t] = ring[unsafe_offset=record + decay_at]
+        comptime if CHANNEL:
+            for i in range(0, K, CPU_LANES):
+                decays.unsafe_store(t * K + i, ring.unsafe_load[width=CPU_LANES](record + decay_at + i))
+        else:
+            decays[unsafe_offset=t] = ring[unsafe_offset=record + decay_at]
         for i in range(0, K, CPU_LANES):
             keys.unsafe_store(t * K + i, ring.unsafe_load[width=CPU_LANES](record + key_offset() + i))
         for j in range(0, V, CPU_LANES):
@@ -59,7 +67,7 @@ def fold_head_cpu[
                 )
             for t in range(accepted):
                 var key = SIMD[DType.float32, CPU_LANES](keys[unsafe_offset=t * K + i])
-                var decay = decays[unsafe_offset=t]
+                var decay = decays[unsafe_offset=t * DECAYS + (i if CHANNEL else 0)]
                 comptime for c in range(GROUP):
                     var delta = deltas.unsafe_load[width=CPU_LANES](t * V + j + c * CPU_LANES)
                     # The verify's order: decay, rounded, then one fused step.
@@ -69,7 +77,7 @@ def fold_head_cpu[
 
 
 def fold_cpu[
-    state_dtype: DType, K: Int, V: Int, RING_LEN: Int
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool = False
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, ImmutAnyOrigin],
@@ -82,7 +90,8 @@ def fold_cpu[
     num_key_heads: Int,
     record_stride: Int,
 ):
-    """Folds every (layer, request, value head) block; ids were validated."""
+    """Folds every (layer, request, value head) block; ids were validated. `CHANNEL`:
+    the records hold per-channel decays (fold_head_cpu)."""
     var group_size = num_value_heads // num_key_heads
 
     def fold_one_head(item: Int) {imm}:
@@ -100,7 +109,7 @@ def fold_cpu[
             Int(ring_row_ids[unsafe_offset=pair]), num_key_heads, key_head, record_stride
         )
         var saved_control = keep_subnormals()
-        fold_head_cpu[state_dtype, K, V, RING_LEN](
+        fold_head_cpu[state_dtype, K, V, RING_LEN, CHANNEL](
             state, ring, state_base, record_base, record_stride, accepted, group_size,
             value_head % group_size,
         )

@@ -37,3 +37,19 @@ def decay_offset[K: Int, V: Int](group_size: Int, group_slot: Int) -> Int:
 def record_elements[K: Int, V: Int](group_size: Int) -> Int:
     """Floats a record needs before padding: key, G delta rows, G decays."""
     return K + group_size * (V + 1)
+
+
+# Per-channel gates (Kimi Delta Attention): a value head's decay is K floats, one per key
+# row, so the G decays of a record become G rows of K floats.
+
+
+@always_inline
+def channel_decay_offset[K: Int, V: Int](group_size: Int, group_slot: Int) -> Int:
+    """Offset of the K decays of the `group_slot`-th value head, with per-channel gates."""
+    return K + group_size * V + group_slot * K
+
+
+@always_inline
+def channel_record_elements[K: Int, V: Int](group_size: Int) -> Int:
+    """Floats a per-channel record needs before padding: key, G delta rows, G decay rows."""
+    return K + group_size * (V + K)

@@ -68,7 +68,8 @@ class FoldGraphs(ChainedGraphs):
             for _ in range(links):
                 if variant == "gdfold":
                     state_fold(state.buffer, ring.buffer, row_ids.tensor, ring_row_ids.tensor, accepted.tensor,
-                               **self.tiling)
+                               key_dim_tile=self.tiling.get("key_dim_tile"),
+                               rows_per_thread=self.tiling.get("rows_per_thread"))
                 else:
                     from max.nn.state_space import gated_delta_state_fold, verify_width_operand
 

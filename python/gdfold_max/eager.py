@@ -27,6 +27,7 @@ from .eager_base import (
     host_table,
 )
 from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
+from .layout import GATES, Gate
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class FoldCall:
     ring_row_ids: np.ndarray
     num_accepted: np.ndarray
     parameters: dict[str, int]
+    gate: Gate = "head"
 
 
 def validate_fold(
@@ -50,12 +52,17 @@ def validate_fold(
     device: Device,
     key_dim_tile: int | None = None,
     rows_per_thread: int | None = None,
+    gate: Gate = "head",
 ) -> FoldCall:
     """Checks every operand of a fold on the host; raises before anything is written."""
+    if gate not in GATES:
+        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
+    if gate == "channel" and device.label != "cpu":
+        raise ValueError("gate: per-channel gates ('channel') have no GPU fold yet; fold on the CPU")
     state = describe("recurrent_state", recurrent_state, device, writable=True)
     ring_op = describe("ring", ring, device, writable=False)
     parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype, key_dim_tile,
-                                 rows_per_thread)
+                                 rows_per_thread, gate)
     rows, ring_rows = state.shape[0], ring_op.shape[0]
     ids = host_table("row_ids", row_ids)
     ring_ids = host_table("ring_row_ids", ring_row_ids)
@@ -63,7 +70,7 @@ def validate_fold(
     check_table_shapes(list(ids.shape), list(ring_ids.shape), list(accepted.shape))
     check_ids("row_ids", ids, rows)
     check_ids("ring_row_ids", ring_ids, ring_rows)
-    return FoldCall(state, ring_op, ids, ring_ids, accepted, parameters)
+    return FoldCall(state, ring_op, ids, ring_ids, accepted, parameters, gate)
 
 
 class StateFolder(CompiledGraphs):
@@ -89,12 +96,12 @@ class StateFolder(CompiledGraphs):
         self.key_dim_tile = key_dim_tile
         self.rows_per_thread = rows_per_thread
 
-    def model(self, state_dtype: DType, parameters: dict[str, int]) -> Model:
+    def model(self, state_dtype: DType, parameters: dict[str, int], gate: Gate = "head") -> Model:
         """The compiled fold for these static dims, compiled on first use."""
-        key = (state_dtype, *sorted(parameters.items()))
-        return self.compiled(key, lambda: self._build(state_dtype, parameters))
+        key = (state_dtype, gate, *sorted(parameters.items()))
+        return self.compiled(key, lambda: self._build(state_dtype, parameters, gate))
 
-    def _build(self, state_dtype: DType, parameters: dict[str, int]) -> Graph:
+    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
         inputs = [
@@ -104,7 +111,7 @@ class StateFolder(CompiledGraphs):
             TensorType(DType.uint32, ["layers", "batch"], where),
             TensorType(DType.uint32, ["batch"], where),
         ]
-        name = f"gdfold_fold_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
+        name = f"gdfold_fold_{gate}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
         with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
             state, ring, row_ids, ring_row_ids, accepted = graph.inputs
             state_fold(
@@ -113,8 +120,9 @@ class StateFolder(CompiledGraphs):
                 row_ids.tensor,
                 ring_row_ids.tensor,
                 accepted.tensor,
-                key_dim_tile=parameters["KEY_DIM_TILE"],
-                rows_per_thread=parameters["ROWS_PER_THREAD"],
+                key_dim_tile=parameters.get("KEY_DIM_TILE"),
+                rows_per_thread=parameters.get("ROWS_PER_THREAD"),
+                gate=gate,
             )
             graph.output()
         return graph
@@ -126,6 +134,8 @@ class StateFolder(CompiledGraphs):
         row_ids: Any,
         ring_row_ids: Any,
         num_accepted: Any,
+        *,
+        gate: Gate = "head",
     ) -> ArrayOrBuffer:
         """Folds ``recurrent_state`` in place and returns it.
 
@@ -135,15 +145,17 @@ class StateFolder(CompiledGraphs):
             ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 array or Buffer.
             row_ids, ring_row_ids: ``[num_layers, batch]`` integer tables.
             num_accepted: ``[batch]`` integer counts.
+            gate: ``"head"``, or ``"channel"`` for per-channel records (the CPU only,
+                for now).
 
         Raises:
             TypeError, ValueError: naming the bad argument; nothing is written.
         """
         call = validate_fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, self.device,
-                             self.key_dim_tile, self.rows_per_thread)
+                             self.key_dim_tile, self.rows_per_thread, gate)
         if call.row_ids.size == 0:
             return recurrent_state
-        model = self.model(call.state.dtype, call.parameters)
+        model = self.model(call.state.dtype, call.parameters, call.gate)
         self.execute(model, [call.state, call.ring], [call.row_ids, call.ring_row_ids, call.num_accepted],
                      written=[call.state])
         return recurrent_state
@@ -165,6 +177,7 @@ def fold(
     num_accepted: Any,
     *,
     device: DeviceLike = None,
+    gate: Gate = "head",
 ) -> ArrayOrBuffer:
     """Folds the accepted ring records into ``recurrent_state`` in place and returns it.
 
@@ -188,4 +201,4 @@ def fold(
         >>> float(state[1, 0, 0, 0]), float(state[1, 1, 0, 0]), float(state[0, 0, 0, 0])
         (1.0, 1.25, 1.0)
     """
-    return folder_for(device).fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted)
+    return folder_for(device).fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, gate=gate)

@@ -14,9 +14,12 @@ from max.dtype import DType
 from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
 from .graph_checks import ring_parameters, row_table, shape_text, static_size
+from .layout import GATES, Gate
 
 #: The name our fold op is registered under (MAX's own is ``gated_delta_state_fold``).
 FOLD_OP_NAME = "gdfold_state_fold"
+#: The fold with per-channel gates (CPU only, for now).
+FOLD_CHANNEL_OP_NAME = "gdfold_state_fold_channel"
 
 
 def kernels_path() -> Path:
@@ -102,14 +105,17 @@ def fold_parameters(
     ring_dtype: DType,
     key_dim_tile: int | None = None,
     rows_per_thread: int | None = None,
+    gate: Gate = "head",
 ) -> dict[str, int]:
     """Checks static pool and ring shapes and the tiling; returns the fold op's
-    compile-time parameters.
+    compile-time parameters (per-channel gates: K, V and RING_LEN alone).
 
     Raises:
         ValueError: naming the argument, the bad value and what was expected.
     """
-    parameters = ring_parameters(state_shape, state_dtype, ring_shape, ring_dtype)
+    parameters = ring_parameters(state_shape, state_dtype, ring_shape, ring_dtype, gate)
+    if gate == "channel":
+        return parameters
     return parameters | fold_tiling(parameters["K"], parameters["V"], state_dtype, key_dim_tile, rows_per_thread)
 
 
@@ -148,6 +154,7 @@ def state_fold(
     *,
     key_dim_tile: int | None = None,
     rows_per_thread: int | None = None,
+    gate: Gate = "head",
 ) -> None:
     """Folds the accepted ring records into the live state pool, for all layers at once.
 
@@ -175,6 +182,10 @@ def state_fold(
         key_dim_tile: GPU only: key rows a block keeps in registers (divides K);
             default from :func:`default_tiling`.
         rows_per_thread: GPU only: key rows each thread keeps (divides the tile).
+        gate: ``"head"`` (one decay per value head) or ``"channel"`` (per-channel
+            gates: K decays per value head, ``S[i, j] = fma(k[i], u[j], S[i, j] * d[i])``,
+            records as ``layout.RecordLayout(..., gate="channel")``). Per-channel gates
+            run on the CPU only, for now: a GPU graph is refused when it is built.
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, naming
@@ -202,6 +213,10 @@ def state_fold(
         width = static_size(verify_width.shape[0])
         if width == 0:
             return
+    if gate not in GATES:
+        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
+    if gate == "channel" and not recurrent_state.device.is_cpu():
+        raise ValueError("gate: per-channel gates ('channel') have no GPU fold yet; build the graph for the CPU")
     parameters = fold_parameters(
         list(recurrent_state.shape),
         recurrent_state.dtype,
@@ -209,6 +224,7 @@ def state_fold(
         ring.dtype,
         key_dim_tile,
         rows_per_thread,
+        gate,
     )
     check_table_shapes(list(row_ids.shape), list(ring_row_ids.shape), list(num_accepted.shape))
     operands = [
@@ -220,7 +236,8 @@ def state_fold(
     ]
 
     def fold_records() -> None:
-        ops.inplace_custom(FOLD_OP_NAME, recurrent_state.device, operands, parameters=parameters)
+        name = FOLD_CHANNEL_OP_NAME if gate == "channel" else FOLD_OP_NAME
+        ops.inplace_custom(name, recurrent_state.device, operands, parameters=parameters)
 
     if verify_width is not None and width is None:
         when_no_drafts(verify_width, None, lambda: None, fold_records)

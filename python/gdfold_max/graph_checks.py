@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from max.dtype import DType
 from max.graph import Dim, StaticDim, TensorValue
 
-from .layout import RecordLayout
+from .layout import Gate, RecordLayout
 
 #: Supported state dtypes, key/value dims and ring lengths.
 STATE_DTYPES = (DType.float32, DType.bfloat16)
@@ -70,8 +70,10 @@ def ring_parameters(
     state_dtype: DType,
     ring_shape: Sequence[Dim | int],
     ring_dtype: DType,
+    gate: Gate = "head",
 ) -> dict[str, int]:
     """Checks a pool and a ring against each other and returns the static K, V, RING_LEN.
+    ``gate="channel"``: the records hold K decays per value head (their stride must fit).
 
     Raises:
         ValueError: naming ``recurrent_state`` or ``ring``, the bad value and what was expected.
@@ -90,9 +92,10 @@ def ring_parameters(
     if nv is not None and nk is not None:
         if nk < 1 or nv % nk != 0:
             raise ValueError(f"ring: key heads nk={nk} must divide the pool's value heads nv={nv}")
-        needed = RecordLayout(key_dim, value_dim, nv // nk).elements
+        needed = RecordLayout(key_dim, value_dim, nv // nk, gate).elements
         if stride is not None and stride < needed:
-            raise ValueError(f"ring: record stride {stride} is smaller than K + G*(V+1) = {needed}")
+            formula = "K + G*(V+K)" if gate == "channel" else "K + G*(V+1)"
+            raise ValueError(f"ring: record stride {stride} is smaller than {formula} = {needed}")
     if stride is not None and stride % RECORD_VECTOR != 0:
         raise ValueError(f"ring: record stride {stride} is not a multiple of {RECORD_VECTOR} floats (16 bytes)")
     return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len}

@@ -27,7 +27,7 @@ from .eager_base import (
     host_table,
 )
 from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
-from .layout import GATES, Gate
+from .layout import Gate, check_gate
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,9 @@ def validate_fold(
     rows_per_thread: int | None = None,
     gate: Gate = "head",
 ) -> FoldCall:
-    """Checks every operand of a fold on the host; raises before anything is written."""
-    if gate not in GATES:
-        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
-    if gate == "channel" and device.label != "cpu":
-        raise ValueError("gate: per-channel gates ('channel') have no GPU fold yet; fold on the CPU")
+    """Checks every operand of a fold on the host; raises before anything is written (a
+    per-channel fold on a GPU is refused when its graph is built, by ``state_fold``)."""
+    check_gate(gate)
     state = describe("recurrent_state", recurrent_state, device, writable=True)
     ring_op = describe("ring", ring, device, writable=False)
     parameters = fold_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype, key_dim_tile,

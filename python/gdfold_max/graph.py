@@ -14,7 +14,7 @@ from max.dtype import DType
 from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
 from .graph_checks import ring_parameters, row_table, shape_text, static_size
-from .layout import GATES, Gate
+from .layout import Gate, check_gate
 
 #: The name our fold op is registered under (MAX's own is ``gated_delta_state_fold``).
 FOLD_OP_NAME = "gdfold_state_fold"
@@ -213,8 +213,7 @@ def state_fold(
         width = static_size(verify_width.shape[0])
         if width == 0:
             return
-    if gate not in GATES:
-        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
+    check_gate(gate)
     if gate == "channel" and not recurrent_state.device.is_cpu():
         raise ValueError("gate: per-channel gates ('channel') have no GPU fold yet; build the graph for the CPU")
     parameters = fold_parameters(

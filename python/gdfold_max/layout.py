@@ -30,6 +30,12 @@ Gate = Literal["head", "channel"]
 GATES: tuple[Gate, ...] = ("head", "channel")
 
 
+def check_gate(gate: str) -> None:
+    """Raises ``ValueError`` unless ``gate`` is ``"head"`` or ``"channel"``."""
+    if gate not in GATES:
+        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
+
+
 @dataclass(frozen=True)
 class RecordLayout:
     """Offsets of the fields of one ring record.
@@ -58,8 +64,7 @@ class RecordLayout:
     gate: Gate = "head"
 
     def __post_init__(self) -> None:
-        if self.gate not in GATES:
-            raise ValueError(f"gate: {self.gate!r} is not 'head' or 'channel'")
+        check_gate(self.gate)
 
     @property
     def key_offset(self) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .layout import GATES, Gate, RecordLayout
+from .layout import Gate, RecordLayout
 
 #: Added to the squared norm before the square root in the L2 normalisation.
 L2_EPS = 1e-6
@@ -314,8 +314,6 @@ def fold(
     Returns:
         ``recurrent_state``, folded.
     """
-    if gate not in GATES:
-        raise ValueError(f"gate: {gate!r} is not 'head' or 'channel'")
     _, nv, kd, vd = recurrent_state.shape
     _, nk, ring_len, _ = ring.shape
     group = nv // nk

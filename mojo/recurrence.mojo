@@ -19,7 +19,8 @@ struct Recurrence:
 
     @staticmethod
     def execute[
-        target: StaticString, K: Int, V: Int, COLUMN_TILE: Int, REQUESTS_PER_BLOCK: Int
+        target: StaticString, K: Int, V: Int, COLUMN_TILE: Int, REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -37,7 +38,7 @@ struct Recurrence:
         # There is no ring: the readout and the row table stand in for the ring
         # operands (pointers cannot be null), which the kernels never touch when
         # recording is off.
-        run_windows[target, state_dtype, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, False, False](
+        run_windows[target, state_dtype, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, False, False](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             readout.unsafe_ptr(), IndexList[4](0, 0, 1, 0),

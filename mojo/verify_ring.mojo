@@ -23,6 +23,7 @@ struct VerifyRing:
     def execute[
         target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
         REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -40,7 +41,7 @@ struct VerifyRing:
             state_dtype == DType.float32 or state_dtype == DType.bfloat16
         ), "recurrent_state must be float32 or bfloat16"
         # No previous records: the ring-row table stands in for the unused tables.
-        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, True, False](
+        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, False](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             ring.unsafe_ptr(), ring.shape(),
@@ -65,6 +66,7 @@ struct VerifyRingFoldOnLoad:
     def execute[
         target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
         REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -83,7 +85,7 @@ struct VerifyRingFoldOnLoad:
         comptime assert (
             state_dtype == DType.float32 or state_dtype == DType.bfloat16
         ), "recurrent_state must be float32 or bfloat16"
-        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, True, True](
+        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             ring.unsafe_ptr(), ring.shape(),

@@ -15,8 +15,14 @@ from std.utils import IndexList
 from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
 from .window_cpu import windows_cpu
 from .window_gpu import window_block_threads, windows_gpu_kernel
+from .window_gpu_latency import (
+    latency_column_vector,
+    latency_slab_columns,
+    windows_gpu_latency_kernel,
+)
 from .window_gpu_staging import (
     COPY_FLOATS,
+    WARP_THREADS,
     box_columns,
     tile_in_boxes,
     whole_warps,
@@ -29,6 +35,28 @@ from .window_gpu_staging import (
 # instructions, and it was tuned and tested on an H200 only.
 comptime WINDOW_GPU_API = "cuda"
 comptime WINDOW_GPU_CAPABILITY_MAJOR = 9
+
+
+# Which GPU kernel runs a launch: GPU_PATH_AUTO picks at run time from the units of work
+# the launch has; the other two force one kernel (tests, benchmarks).
+comptime GPU_PATH_AUTO = 0
+comptime GPU_PATH_LATENCY = 1
+comptime GPU_PATH_THROUGHPUT = 2
+# The latency kernel (one warp per request on one column slab) runs launches of at most
+# this many of its warps per SM; larger launches go to the throughput kernel, whose
+# resident blocks overlap one unit's copies with another's arithmetic.
+comptime LATENCY_WARPS_PER_SM = 16
+
+
+def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, ctx: DeviceContext) raises -> Bool:
+    comptime if GPU_PATH == GPU_PATH_LATENCY:
+        return True
+    elif GPU_PATH == GPU_PATH_THROUGHPUT:
+        return False
+    else:
+        comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1 or 2"
+        var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+        return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
 def check_window_gpu(ctx: DeviceContext) raises:
@@ -121,6 +149,7 @@ def run_windows[
     RING_LEN: Int,
     COLUMN_TILE: Int,
     REQUESTS_PER_BLOCK: Int,
+    GPU_PATH: Int,
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
 ](
@@ -222,6 +251,21 @@ def run_windows[
             num_key_heads, record_stride,
         )
     elif target == "gpu":
+        comptime LATENCY_CV = latency_column_vector[K, V]()
+        var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
+        if uses_latency_kernel[GPU_PATH](latency_units, ctx):
+            comptime latency_kernel = windows_gpu_latency_kernel[
+                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV
+            ]
+            ctx.enqueue_function[latency_kernel](
+                readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
+                previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
+                Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
+                Int32(num_key_heads), Int32(record_stride),
+                grid_dim=latency_units,
+                block_dim=WARP_THREADS,
+            )
+            return
         comptime kernel = windows_gpu_kernel[
             state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE
         ]

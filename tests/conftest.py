@@ -14,6 +14,15 @@ from gdfold_max.cases import FoldCase
 CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
+#: Where the window ops run in tests: the CPU, and each of the GPU's two kernels, forced
+#: (the op's automatic choice would give small test cases the latency kernel only).
+WINDOW_TARGETS = [
+    pytest.param(("cpu", "auto"), id="cpu"),
+    pytest.param(("gpu", "latency"), id="gpu-latency", marks=pytest.mark.gpu),
+    pytest.param(("gpu", "throughput"), id="gpu-throughput", marks=pytest.mark.gpu),
+]
+
+
 def has_accelerator() -> bool:
     return accelerator_count() > 0
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import assert_bits_equal
+from conftest import WINDOW_TARGETS, assert_bits_equal
 from gdfold_max import folder_for, reference, runner_for
 from gdfold_max.cases import random_fold_case, random_window_case, spec_decode_case
 
@@ -57,12 +57,12 @@ def test_fold_matches_the_forward_and_the_reference(device: str, name: str) -> N
     assert_bits_equal(state, case.state_out)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("target", WINDOW_TARGETS)
 @pytest.mark.parametrize("name", EDGES)
-def test_verify_with_and_without_fold_on_load_matches_reference(device: str, name: str) -> None:
+def test_verify_with_and_without_fold_on_load_matches_reference(target: tuple[str, str], name: str) -> None:
     edge = EDGES[name]
     case = random_window_case(22, **shape_of(edge))
-    runner = runner_for(device)
+    runner = runner_for(*target)
     for previous in (True, False):
         extra = ({"previous_ring_row_ids": case.previous_ring_row_ids,
                   "previous_num_accepted": case.previous_num_accepted} if previous else {})
@@ -78,13 +78,13 @@ def test_verify_with_and_without_fold_on_load_matches_reference(device: str, nam
         assert_bits_equal(got_ring, want_ring, f"{what}: ring")
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("target", WINDOW_TARGETS)
 @pytest.mark.parametrize("name", EDGES)
-def test_forward_matches_reference(device: str, name: str) -> None:
+def test_forward_matches_reference(target: tuple[str, str], name: str) -> None:
     edge = EDGES[name]
     case = random_window_case(23, windows=[edge.ring_len + 3, 0, 1, 2], **shape_of(edge))
     got_pool = case.state.copy()
-    got = runner_for(device).recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
+    got = runner_for(*target).recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
     want_pool = case.state.copy()
     want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
                                     num_key_heads=case.num_key_heads)

@@ -8,24 +8,30 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from conftest import assert_bits_equal
+from conftest import WINDOW_TARGETS, assert_bits_equal
 from gdfold_max import reference
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.eager import folder_for
 from gdfold_max.window_eager import WindowRunner, runner_for
 
-DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 DTYPES = ["float32", "bfloat16"]
+GPU_PATHS = ["latency", "throughput"]
 
 
-@pytest.fixture(scope="session", params=DEVICES)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(scope="session", params=WINDOW_TARGETS)
+def target(request: pytest.FixtureRequest) -> tuple[str, str]:
+    device, gpu_path = request.param
+    return str(device), str(gpu_path)
 
 
 @pytest.fixture(scope="session")
-def runner(device: str) -> WindowRunner:
-    return runner_for(device)
+def device(target: tuple[str, str]) -> str:
+    return target[0]
+
+
+@pytest.fixture(scope="session")
+def runner(target: tuple[str, str]) -> WindowRunner:
+    return runner_for(*target)
 
 
 def verify_step(verify: Callable[..., np.ndarray], case: WindowCase, *, fold_on_load: bool
@@ -144,7 +150,8 @@ def test_two_steps_of_fold_on_load_alternating_ring_rows(runner: WindowRunner, d
 
 
 @pytest.mark.gpu
-def test_gpu_window_skips_out_of_range_ids() -> None:
+@pytest.mark.parametrize("gpu_path", GPU_PATHS)
+def test_gpu_window_skips_out_of_range_ids(gpu_path: str) -> None:
     """Inside a graph the GPU trusts its tables but never follows an id out of bounds:
     that request is skipped and its readout is NaN; every other request is exact."""
     from max.driver import CPU, Buffer
@@ -152,7 +159,7 @@ def test_gpu_window_skips_out_of_range_ids() -> None:
 
     from gdfold_max.eager_base import copy_back, host_buffer
 
-    runner = runner_for("gpu")
+    runner = runner_for("gpu", gpu_path)
     case = random_window_case(6, windows=[4, 2, 3])
     bad_rows = case.row_ids.copy()
     bad_rows[1] = 0xFFFFFFFF
@@ -208,7 +215,8 @@ GPU_TILINGS = [
 @pytest.mark.parametrize(("state_dtype", "column_tile", "requests_per_block", "batch"), GPU_TILINGS)
 def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, requests_per_block: int | None,
                                      batch: int) -> None:
-    runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=requests_per_block)
+    runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=requests_per_block,
+                          gpu_path="throughput")
     pattern = [4, 0, 1, 6, 2, 3, 4]  # full, empty, short, past RING_LEN (commits), ...
     windows = [pattern[b % len(pattern)] for b in range(batch)]
     case = random_window_case(7, windows=windows, state_dtype=state_dtype, key_dim=128, value_dim=128)
@@ -218,9 +226,11 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
 # The widest heads the ops take, K = V = 256: a GPU thread then holds 32 state rows of
 # four columns, near its 255 registers, and a block's state tile is twice as tall.
 @pytest.mark.gpu
-@pytest.mark.parametrize(("state_dtype", "column_tile"), [("float32", None), ("float32", 16), ("bfloat16", None)])
-def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | None) -> None:
-    runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=2)
+@pytest.mark.parametrize(("state_dtype", "column_tile", "gpu_path"),
+                         [("float32", None, "throughput"), ("float32", 16, "throughput"), ("bfloat16", None, "throughput"),
+                          ("float32", None, "latency"), ("bfloat16", None, "latency")])
+def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | None, gpu_path: str) -> None:
+    runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=2, gpu_path=gpu_path)
     case = random_window_case(11, num_value_heads=2, num_key_heads=1, key_dim=256, value_dim=256,
                               state_dtype=state_dtype)
     assert_verify_matches_reference(runner, case)
@@ -230,7 +240,24 @@ def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | Non
 # A tile of three whole warps that is no power of two (V = 96: 48 columns by default,
 # 96 threads), the kind of block whose warps the staging must not split.
 @pytest.mark.gpu
-def test_gpu_three_warp_tile_matches_reference() -> None:
-    runner = WindowRunner("gpu", requests_per_block=3)
+@pytest.mark.parametrize("gpu_path", GPU_PATHS)
+def test_gpu_three_warp_tile_matches_reference(gpu_path: str) -> None:
+    runner = WindowRunner("gpu", requests_per_block=3, gpu_path=gpu_path)
     case = random_window_case(13, windows=[4, 0, 1, 6, 2, 3, 4], key_dim=64, value_dim=96)
+    assert_verify_matches_reference(runner, case)
+
+
+# The latency kernel over the batches the throughput kernel's tilings above cover (many
+# warps per SM, every kind of window), and the automatic choice on both sides of its
+# threshold: 128 requests of 8 heads give the latency kernel 8192 warps, past what it
+# takes on an H200, so "auto" runs the throughput kernel there.
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "gpu_path", "batch"),
+                         [("float32", "latency", 7), ("bfloat16", "latency", 7), ("float32", "latency", 70),
+                          ("float32", "auto", 7), ("float32", "auto", 128), ("bfloat16", "auto", 128)])
+def test_gpu_latency_and_automatic_paths_match_reference(state_dtype: str, gpu_path: str, batch: int) -> None:
+    runner = runner_for("gpu", gpu_path)
+    pattern = [4, 0, 1, 6, 2, 3, 4]
+    windows = [pattern[b % len(pattern)] for b in range(batch)]
+    case = random_window_case(7, windows=windows, state_dtype=state_dtype, key_dim=128, value_dim=128)
     assert_verify_matches_reference(runner, case)

@@ -9,6 +9,7 @@ tool relies on may move in later versions.
 
 from max.gpu.host.compile import _compile_code, get_gpu_target
 from mojo.window_gpu import windows_gpu_kernel
+from mojo.window_gpu_latency import windows_gpu_latency_kernel
 
 
 def emit[state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int]():
@@ -24,7 +25,28 @@ def emit[state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int]():
     )
 
 
+def emit_latency[
+    state_dtype: DType, K: Int, RECORD: Bool, FOLD_PREVIOUS: Bool, CV: Int
+]():
+    print(
+        "// window kernel: latency path,", state_dtype, "K = V =", K,
+        "fold on load" if FOLD_PREVIOUS else ("verify" if RECORD else "forward"),
+        CV, "columns per thread",
+    )
+    print(
+        _compile_code[
+            windows_gpu_latency_kernel[state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, CV],
+            target=get_gpu_target["sm_90a"](),
+        ]().asm
+    )
+
+
 def main():
+    emit_latency[DType.float32, 128, True, True, 4]()
+    emit_latency[DType.float32, 128, True, True, 2]()
+    emit_latency[DType.float32, 128, False, False, 4]()
+    emit_latency[DType.bfloat16, 128, True, True, 4]()
+    emit_latency[DType.float32, 256, True, True, 2]()
     emit[DType.float32, 128, True, 64]()
     emit[DType.float32, 128, False, 64]()
     emit[DType.bfloat16, 128, True, 64]()

@@ -8,6 +8,8 @@ one process.
 * ``fused``: our ``verify_ring`` with fold on load for every layer: the previous step's
   accepted records are applied as the state loads, so the state is read and written
   once (two passes).
+* ``forward``: our ``recurrence`` for every layer: the forward over the same windows,
+  committing the state (two passes), the work FLA's kernel below does.
 * ``fla``: FLA's Triton ``fused_recurrent_gated_delta_rule`` (the kernel vLLM's and
   SGLang's decode build on) over the same windows and data for every layer, initial
   state in, final state out. It runs where ``torch`` and ``fla`` import, on a GPU; it is
@@ -38,20 +40,21 @@ from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
 from .graph import kernels_path, state_fold
-from .window_graph import verify_ring
+from .window_graph import recurrence, verify_ring
 
 if TYPE_CHECKING:
     from .fla_anchor import FlaSteps
 
 #: The graph variants (FLA runs through torch, beside them).
-VARIANTS = ("max", "ours", "fused")
+VARIANTS = ("max", "ours", "fused", "forward")
 
-#: GPU keywords of :func:`verify_ring` (``column_tile``, ``requests_per_block``).
-WindowTiling: TypeAlias = dict[str, int]
+#: GPU keywords of :func:`verify_ring` and :func:`recurrence` (``column_tile``,
+#: ``requests_per_block``, ``gpu_path``).
+WindowTiling: TypeAlias = dict[str, int | str]
 
 #: Passes over the state each variant makes, so the bytes it must move: a count from
 #: the design, not a measurement.
-STATE_PASSES = {"max": 3, "ours": 3, "fused": 2, "fla": 2}
+STATE_PASSES = {"max": 3, "ours": 3, "fused": 2, "forward": 2, "fla": 2}
 
 
 @dataclass
@@ -145,6 +148,9 @@ class StepGraphs(ChainedGraphs):
                 readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
                                       **self.tiling)
             state_fold(pool, ring, rows, ring_rows, accepted)
+        elif variant == "forward":
+            for layer in range(s.num_layers):
+                readout = recurrence(qkv, decay, beta, pool, rows[layer], offsets, **self.tiling)
         else:
             for layer in range(s.num_layers):
                 readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
@@ -211,7 +217,7 @@ def run_step_bench(
     console = console or Console()
     device = device or Accelerator()
     on_gpu = device.label != "cpu"
-    graph_variants = VARIANTS if on_gpu else ("ours", "fused")
+    graph_variants = VARIANTS if on_gpu else tuple(v for v in VARIANTS if v != "max")
     fla: FlaSteps | None = None
     if on_gpu and with_fla:
         from .fla_anchor import FlaSteps, fla_missing

@@ -182,15 +182,18 @@ def bench_step(
     column_tile: Annotated[int | None, typer.Option(help="Value columns per GPU block of our verify.")] = None,
     requests_per_block: Annotated[int | None, typer.Option(
         help="Units of work (a request on one column tile of one value head) per GPU block of our verify.")] = None,
+    gpu_path: Annotated[str, typer.Option(
+        help="Our window kernel on the GPU: auto (picked per launch), latency or throughput.")] = "auto",
     device: Annotated[Target, typer.Option(
-        help="gpu: MAX's ops, ours, ours fused, and FLA where torch and fla import; cpu: ours, ours fused.")] = (
+        help="gpu: MAX's ops, ours, ours fused, our forward, and FLA where torch and fla import;"
+             " cpu: ours, ours fused, our forward.")] = (
         Target.gpu
     ),
     json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
         "bench-step-results.json"
     ),
 ) -> None:
-    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, FLA."""
+    """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
 
     from .bench_harness import write_json
@@ -202,8 +205,14 @@ def bench_step(
                       " --device cpu times ours and ours fused alone")
         raise typer.Exit(2)
     batch_list = [int(b) for b in batches.split(",")]
-    tiling = {k: v for k, v in (("column_tile", column_tile), ("requests_per_block", requests_per_block))
-              if v is not None}
+    from .window_graph import GPU_PATHS
+
+    if gpu_path not in GPU_PATHS:
+        raise typer.BadParameter(f"{gpu_path!r} is not one of {', '.join(GPU_PATHS)}", param_hint="--gpu-path")
+    tiling: dict[str, int | str] = {k: v for k, v in (("column_tile", column_tile),
+                                                      ("requests_per_block", requests_per_block)) if v is not None}
+    if gpu_path != "auto":
+        tiling["gpu_path"] = gpu_path
     if rounds < 1:
         raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,

@@ -6,6 +6,7 @@ raises ``ValueError`` (or ``TypeError``) and leaves the pool and the ring untouc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from .eager_base import (
 )
 from .graph import kernels_path
 from .graph_checks import pool_dims, ring_parameters
-from .window_graph import check_qkv_width, recurrence, verify_ring
+from .window_graph import GPU_PATHS, check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 
@@ -157,13 +158,16 @@ class WindowRunner(CompiledGraphs):
         requests_per_block: GPU only: units of work per block, where a unit is one request
             on one column tile of one value head (not a whole request), as in
             :func:`gdfold_max.verify_ring`.
+        gpu_path: GPU only: ``"auto"``, ``"latency"`` or ``"throughput"``, as in
+            :func:`gdfold_max.verify_ring`.
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,
-                 requests_per_block: int | None = None) -> None:
+                 requests_per_block: int | None = None, gpu_path: str = "auto") -> None:
         super().__init__(device)
         self.column_tile = column_tile
         self.requests_per_block = requests_per_block
+        self.gpu_path = gpu_path
 
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled graph of ``kind`` (verify, fold_on_load or forward), built on first use."""
@@ -173,7 +177,8 @@ class WindowRunner(CompiledGraphs):
     def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
-        tiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block}
+        tiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block,
+                  "gpu_path": self.gpu_path}
         f32, u32 = DType.float32, DType.uint32
         inputs = [
             TensorType(f32, ["tokens", "width"], where),
@@ -265,9 +270,12 @@ class WindowRunner(CompiledGraphs):
         return self._run("forward", call)
 
 
-_runners = PerDevice(WindowRunner)
+_runners = {path: PerDevice(functools.partial(WindowRunner, gpu_path=path)) for path in GPU_PATHS}
 
 
-def runner_for(device: DeviceLike = None) -> WindowRunner:
-    """The process-wide cached :class:`WindowRunner` of a device."""
-    return _runners(device)
+def runner_for(device: DeviceLike = None, gpu_path: str = "auto") -> WindowRunner:
+    """The process-wide cached :class:`WindowRunner` of a device (and, on a GPU, of a
+    kernel choice: ``"auto"``, ``"latency"`` or ``"throughput"``)."""
+    if gpu_path not in _runners:
+        raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
+    return _runners[gpu_path](device)

@@ -36,6 +36,13 @@ WARP_THREADS = 32
 #: than two each.
 AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
+#: The GPU kernels a window op can run, as the op's ``GPU_PATH`` parameter. ``"auto"``
+#: picks at run time from the launch's units of work: the latency kernel (one warp per
+#: request on one narrow column slab, its state in registers) for few, the throughput
+#: kernel (resident blocks that work through many, overlapping one's copies with
+#: another's arithmetic) for many. Both give the same bits.
+GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
+
 
 def _tile_makes_whole_warps(tile: int) -> bool:
     """Whether a block of ``2 * tile`` threads is whole warps, or one warp at most.
@@ -71,15 +78,19 @@ def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
 
 
 def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: int | None,
-               requests_per_block: int | None, *, fold_on_load: bool = False) -> dict[str, int]:
+               requests_per_block: int | None, *, fold_on_load: bool = False,
+               gpu_path: str = "auto") -> dict[str, int]:
     """The window ops' GPU parameters, checked (the CPU path ignores them): the tile
-    must divide V and one block's shared memory must fit an SM."""
+    must divide V, one block's shared memory must fit an SM, and the path is one of
+    :data:`GPU_PATHS`."""
+    if gpu_path not in GPU_PATHS:
+        raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
     if requests_per_block is not None and requests_per_block < 1:
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
     tile = _check_column_tile(value_dim, column_tile)
     check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load)
-    return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests}
+    return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests, "GPU_PATH": GPU_PATHS[gpu_path]}
 
 
 #: The GPU window kernel's instructions (tensor-box copies, mbarriers) are sm_90's; it
@@ -163,6 +174,7 @@ def verify_ring(
     previous_num_accepted: TensorValue | None = None,
     column_tile: int | None = None,
     requests_per_block: int | None = None,
+    gpu_path: str = "auto",
 ) -> TensorValue:
     """Runs each request's verify window, recording into the ring; returns the readout.
 
@@ -207,6 +219,10 @@ def verify_ring(
             units / requests_per_block blocks, which claim units as they go where
             they run more than two each (default: as many blocks as the GPU holds at
             once).
+        gpu_path: GPU only: ``"auto"`` (default) picks the kernel at run time from the
+            batch and shape; ``"latency"`` or ``"throughput"`` forces one (see
+            :data:`GPU_PATHS`). Every path gives the same bits; ``column_tile`` and
+            ``requests_per_block`` shape the throughput kernel only.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -231,7 +247,7 @@ def verify_ring(
     ]
     name = VERIFY_OP_NAME
     tiling = gpu_tiling(recurrent_state.dtype, parameters["K"], value_dim, column_tile, requests_per_block,
-                        fold_on_load=previous_ring_row_ids is not None)
+                        fold_on_load=previous_ring_row_ids is not None, gpu_path=gpu_path)
     if (previous_ring_row_ids is None) != (previous_num_accepted is None):
         raise ValueError("previous_ring_row_ids, previous_num_accepted: give both for fold on load, or neither")
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
@@ -265,6 +281,7 @@ def recurrence(
     *,
     column_tile: int | None = None,
     requests_per_block: int | None = None,
+    gpu_path: str = "auto",
 ) -> TensorValue:
     """Runs the recurrence over each request's tokens and commits its pool row.
 
@@ -281,6 +298,7 @@ def recurrence(
         column_tile: GPU only: value columns one block owns.
         requests_per_block: GPU only: units of work (a request on one column tile of one
             value head) per block, as in :func:`verify_ring`.
+        gpu_path: GPU only: which kernel runs, as in :func:`verify_ring`.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
@@ -322,6 +340,6 @@ def recurrence(
         ],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
         parameters={"K": key_dim, "V": value_dim, **gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile,
-                                                                    requests_per_block)},
+                                                                    requests_per_block, gpu_path=gpu_path)},
     )
     return results[0].tensor

@@ -1,0 +1,387 @@
+"""The verify window and the forward on the GPU for launches with few units of work:
+one warp per request on one narrow column slab of one value head, the slab's state in
+registers from start to end.
+
+The throughput kernel (window_gpu.mojo) hides memory behind resident blocks that each
+work through many units; a launch with few units leaves every block alone on its SM,
+and then each step of that pipeline (staged tiles, block barriers, tensor boxes, the
+outbox) sits on the unit's critical path. Here a unit is one warp and nothing else:
+
+1. every thread reads the request's ids (one round trip), then issues its state loads
+   straight into registers and asynchronous copies of the first chunk of records and
+   tokens into the warp's own shared memory, so that all of them are in flight at once;
+2. the warp computes the chunk's norms once, folds the previous step's accepted
+   records into the registers (fold on load) and stores the folded state;
+3. it runs the window token by token, storing each token's readout and delta columns
+   as it goes, and commits the state at the end for a forward or a window too long
+   for the ring.
+
+The arithmetic is the throughput kernel's, term for term: a thread holds one reduction
+lane (key rows p, p + 8, ...) of COLUMN_VECTOR neighbouring columns, each sum over K is
+one fma chain per column in the thread and three butterfly steps across the column's
+eight lanes, in the fixed order of recurrence_math.mojo. So both kernels produce the
+same bits, and the op picks between them at run time (window_launch.mojo).
+"""
+
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
+from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
+from max.gpu.primitives.warp import shuffle_xor
+from max.gpu.sync import syncwarp
+from std.math import fma
+from std.sys import size_of
+from std.utils import StaticTuple
+from std.utils.numerics import nan
+
+from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
+from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
+from .window_gpu import column_slot, column_sum, gather_columns
+from .window_gpu_staging import (
+    COPY_FLOATS,
+    TOKEN_SCALARS,
+    DECAY_AT,
+    BETA_AT,
+    WARP_THREADS,
+    WINDOW_CHUNK,
+    SharedFloats,
+    copy_rows_async,
+    copy_scalars_async,
+    lane_sum,
+    natural_pitch,
+    shared_floats,
+)
+
+# Column groups of a warp: 32 threads, eight reduction lanes per column group.
+comptime SLAB_GROUPS = WARP_THREADS // REDUCTION_LANES
+
+
+def latency_slab_columns[COLUMN_VECTOR: Int]() -> Int:
+    """Value columns one warp of the latency kernel owns."""
+    return SLAB_GROUPS * COLUMN_VECTOR
+
+
+def latency_column_vector[K: Int, V: Int]() -> Int:
+    """Columns per thread: four where V allows 16-column slabs and K rows of four columns
+    leave registers for the rest (K <= 128: 64 of them), else two (8-column slabs)."""
+    return 4 if V % latency_slab_columns[4]() == 0 and K <= 128 else 2
+
+
+@always_inline
+def slab_column_sum[CV: Int](partial: SIMD[DType.float32, CV], lane: Int) -> Float32:
+    """The whole sum over the column group's eight lanes of column `slab_slot[CV](lane)`,
+    in the fixed order (p, p + 4), (p, p + 2), (p, p + 1): each butterfly step where a
+    lane still holds more than one column passes on the half its partner keeps."""
+    comptime if CV == 4:
+        return column_sum(rebind[SIMD[DType.float32, 4]](partial), lane)
+    else:
+        comptime assert CV == 2, "the latency kernel holds two or four columns per thread"
+        var high = (lane & 4) != 0
+        var keep = partial[1] if high else partial[0]
+        var send = partial[0] if high else partial[1]
+        var half = keep + shuffle_xor(send, UInt32(4))  # (p, p + 4)
+        var quad = half + shuffle_xor(half, UInt32(2))  # (p, p + 2)
+        return quad + shuffle_xor(quad, UInt32(1))  # (p, p + 1)
+
+
+@always_inline
+def slab_slot[CV: Int](lane: Int) -> Int:
+    """The column of its group whose whole sum lane `lane` ends with."""
+    comptime if CV == 4:
+        return column_slot(lane)
+    else:
+        return (lane >> 2) & 1
+
+
+@always_inline
+def slab_gather[CV: Int](mine: Float32, lane: Int) -> SIMD[DType.float32, CV]:
+    """The group's CV column values, from the lanes that hold one each."""
+    comptime if CV == 4:
+        return rebind[SIMD[DType.float32, CV]](gather_columns(mine, lane))
+    else:
+        var other = shuffle_xor(mine, UInt32(4))
+        if (lane & 4) != 0:
+            return SIMD[DType.float32, CV](other, mine)
+        return SIMD[DType.float32, CV](mine, other)
+
+
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
+)
+def windows_gpu_latency_kernel[
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+    CV: Int,
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch_i32: Int32,
+    num_tokens_i32: Int32,
+    num_rows_i32: Int32,
+    num_ring_rows_i32: Int32,
+    num_value_heads_i32: Int32,
+    num_key_heads_i32: Int32,
+    record_stride_i32: Int32,
+):
+    comptime SLAB = latency_slab_columns[CV]()
+    comptime SLABS = V // SLAB
+    comptime ROWS = K // REDUCTION_LANES
+    comptime CHUNK = WINDOW_CHUNK
+    comptime NATURAL = natural_pitch[K]()
+    comptime Columns = SIMD[DType.float32, CV]
+    comptime assert V % SLAB == 0, "V must be a multiple of the slab"
+    comptime scale = query_scale[K]()
+    var num_value_heads = Int(num_value_heads_i32)
+    var num_key_heads = Int(num_key_heads_i32)
+    var record_stride = Int(record_stride_i32)
+    var num_tokens = Int(num_tokens_i32)
+    var group_size = num_value_heads // num_key_heads
+    var readout_width = num_value_heads * V
+
+    # The unit: request `request` on slab `slab` of value head `value_head`.
+    var unit = Int(block_idx.x)
+    var slab = unit % SLABS
+    var value_head = (unit // SLABS) % num_value_heads
+    var request = unit // (SLABS * num_value_heads)
+    if request >= Int(batch_i32):
+        return
+    var key_head = value_head // group_size
+    var group_slot = value_head - key_head * group_size
+    var tid = Int(thread_idx.x)
+    var lane = tid % REDUCTION_LANES
+    var group_column = (tid // REDUCTION_LANES) * CV
+    var column = slab * SLAB + group_column  # this thread's first column in the head
+    var slot = slab_slot[CV](lane)
+    # One lane of each column stores its sums.
+    var writes_column = (lane & (REDUCTION_LANES // CV - 1)) == 0
+
+    # The request's ids, read by every thread (the loads broadcast).
+    var start = Int(offsets[unsafe_offset=request])
+    var end = Int(offsets[unsafe_offset=request + 1])
+    var row = Int(row_ids[unsafe_offset=request])
+    var ring_row = 0
+    comptime if RECORD:
+        ring_row = Int(ring_row_ids[unsafe_offset=request])
+    var accepted = 0
+    var previous_row = 0
+    comptime if FOLD_PREVIOUS:
+        accepted = Int(previous_accepted[unsafe_offset=request])
+        previous_row = Int(previous_ring_row_ids[unsafe_offset=request])
+        if accepted > RING_LEN:
+            accepted = 0  # that verify committed the state itself
+    if not (start <= end and end <= num_tokens):
+        return  # offsets out of range: nothing to read, nothing written
+    var commit = not RECORD or end - start > RING_LEN
+    var bad_id = row >= Int(num_rows_i32)
+    bad_id = bad_id or (RECORD and not commit and ring_row >= Int(num_ring_rows_i32))
+    bad_id = bad_id or (accepted > 0 and previous_row >= Int(num_ring_rows_i32))
+    if bad_id:
+        # Never follow an id out of bounds; make the request's readout loudly invalid.
+        if writes_column:
+            for t in range(start, end):
+                readout[unsafe_offset=t * readout_width + value_head * V + column + slot] = nan[
+                    DType.float32
+                ]()
+        return
+
+    # The warp's shared memory: a chunk of tokens (q and k as they arrive, the slab's
+    # value columns, decay and beta) and a chunk of records (keys, deltas, decays).
+    var pairs = shared_floats[CHUNK * 2 * NATURAL]()
+    var values = shared_floats[CHUNK * SLAB]()
+    var scalars = shared_floats[CHUNK * TOKEN_SCALARS]()
+    var record_keys = shared_floats[(CHUNK * NATURAL if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
+    var record_deltas = shared_floats[(CHUNK * SLAB if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
+    var record_decays = shared_floats[CHUNK + COPY_FLOATS]()
+    var slab_start = slab * SLAB
+
+    @always_inline
+    def copy_tokens(first: Int, count: Int) {imm}:
+        var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+        var token = first * qkv_width
+        copy_rows_async[K, CHUNK, WARP_THREADS, 2 * NATURAL](
+            pairs, qkv, token + key_head * K, qkv_width, count, tid
+        )
+        copy_rows_async[K, CHUNK, WARP_THREADS, 2 * NATURAL](
+            pairs.unsafe_offset(NATURAL), qkv, token + (num_key_heads + key_head) * K,
+            qkv_width, count, tid,
+        )
+        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
+            values, qkv, token + 2 * num_key_heads * K + value_head * V + slab_start,
+            qkv_width, count, tid,
+        )
+        var at = first * num_value_heads + value_head
+        copy_scalars_async(
+            scalars.unsafe_offset(DECAY_AT), decay, at, num_value_heads, count, tid,
+            TOKEN_SCALARS,
+        )
+        copy_scalars_async(
+            scalars.unsafe_offset(BETA_AT), beta, at, num_value_heads, count, tid,
+            TOKEN_SCALARS,
+        )
+
+    var records_at = first_record_at[RING_LEN](previous_row, num_key_heads, key_head, record_stride)
+
+    @always_inline
+    def copy_records(first: Int, count: Int) {imm}:
+        var base = records_at + first * record_stride
+        copy_rows_async[K, CHUNK, WARP_THREADS, NATURAL](
+            record_keys, ring, base + key_offset(), record_stride, count, tid
+        )
+        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
+            record_deltas, ring, base + delta_offset[K, V](group_slot) + slab_start,
+            record_stride, count, tid,
+        )
+        copy_scalars_async(
+            record_decays, ring, base + decay_offset[K, V](group_size, group_slot),
+            record_stride, count, tid,
+        )
+
+    # Lane p's elements p, p + 8, ... of the K-vector at `at` of a staged buffer.
+    @always_inline
+    def lane_values(buffer: SharedFloats, at: Int) {imm} -> Array[Float32, ROWS]:
+        var x = Array[Float32, ROWS](uninitialized=True)
+        comptime for m in range(ROWS):
+            x[m] = buffer[unsafe_offset=at + m * REDUCTION_LANES + lane]
+        return x^
+
+    # 1. Everything the unit needs first is in flight at once.
+    var state_rows = state.unsafe_offset(
+        row * (num_value_heads * K * V) + value_head * K * V + lane * V + column
+    )
+    var first_records = min(CHUNK, accepted)
+    if first_records > 0:
+        copy_records(0, first_records)
+    copy_tokens(start, min(CHUNK, end - start))
+    async_copy_commit_group()
+    # held[m] is state row m * 8 + lane of the thread's CV columns.
+    var held = Array[Columns, ROWS](uninitialized=True)
+    comptime for m in range(ROWS):
+        held[m] = state_rows.unsafe_load[width=CV, alignment=CV * size_of[state_dtype]()](
+            m * REDUCTION_LANES * V
+        ).cast[DType.float32]()
+
+    @always_inline
+    def store_state() {mut}:
+        comptime for m in range(ROWS):
+            state_rows.unsafe_store[alignment=CV * size_of[state_dtype]()](
+                m * REDUCTION_LANES * V, held[m].cast[state_dtype]()
+            )
+
+    async_copy_wait_all()
+    syncwarp()
+
+    # 2. Fold on load: the previous step's accepted records, as the fold applies them.
+    comptime if FOLD_PREVIOUS:
+        if accepted > 0:
+            for chunk_start in range(0, accepted, CHUNK):
+                var count = min(CHUNK, accepted - chunk_start)
+                if chunk_start > 0:
+                    syncwarp()  # every lane is done with the previous chunk
+                    copy_records(chunk_start, count)
+                    async_copy_commit_group()
+                    async_copy_wait_all()
+                    syncwarp()
+                for t in range(count):
+                    var d = record_decays[unsafe_offset=t]
+                    var u = record_deltas.unsafe_load[width=CV, alignment=CV * 4](
+                        t * SLAB + group_column
+                    )
+                    var k = lane_values(record_keys, t * NATURAL)
+                    comptime for m in range(ROWS):
+                        held[m] = fma(Columns(k[m]), u, held[m] * d)
+            # What a separate fold leaves in the pool, and what the window reads back.
+            comptime for m in range(ROWS):
+                held[m] = held[m].cast[state_dtype]().cast[DType.float32]()
+            if not commit:
+                store_state()
+
+    # 3. The window, a chunk of tokens at a time.
+    var record_row_base = (ring_row * num_key_heads + key_head) * RING_LEN
+    var records = RECORD and not commit
+    for chunk_start in range(start, end, CHUNK):
+        var count = min(CHUNK, end - chunk_start)
+        if chunk_start > start:
+            syncwarp()  # every lane is done with the previous chunk
+            copy_tokens(chunk_start, count)
+            async_copy_commit_group()
+            async_copy_wait_all()
+            syncwarp()
+        # The chunk's norms, once: 1/|k| and q's scale 1/|q| * 1/sqrt(K).
+        var inverse_key_norms = Array[Float32, CHUNK](fill=0.0)
+        var query_scales = Array[Float32, CHUNK](fill=0.0)
+        comptime for c in range(CHUNK):
+            if c < count:
+                var k = lane_values(pairs, (2 * c + 1) * NATURAL)
+                var q = lane_values(pairs, 2 * c * NATURAL)
+                var k_squares = Float32(0.0)
+                var q_squares = Float32(0.0)
+                comptime for m in range(ROWS):
+                    k_squares = fma(k[m], k[m], k_squares)
+                    q_squares = fma(q[m], q[m], q_squares)
+                inverse_key_norms[c] = Float32(1.0) / rounded_sqrt(lane_sum(k_squares) + L2_EPS)
+                query_scales[c] = (Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)) * scale
+        # Unrolled, so that a token's readout shuffles overlap the next token's sums.
+        comptime for c in range(CHUNK):
+            if c < count:
+                var token = chunk_start + c
+                var d = scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT]
+                var b = scalars[unsafe_offset=c * TOKEN_SCALARS + BETA_AT]
+                var inv_k = inverse_key_norms[c]
+                var k = lane_values(pairs, (2 * c + 1) * NATURAL)
+                # kv = S^T k on the decayed state.
+                var partial = Columns(0.0)
+                comptime for m in range(ROWS):
+                    held[m] = held[m] * d
+                    partial = fma(held[m], Columns(k[m]), partial)
+                var kv = slab_column_sum[CV](partial, lane)
+                var v = values[unsafe_offset=c * SLAB + group_column + slot]
+                var u = (b * fma(-kv, inv_k, v)) * inv_k
+                var u_columns = slab_gather[CV](u, lane)
+                # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
+                var q = lane_values(pairs, 2 * c * NATURAL)
+                var q_scale = query_scales[c]
+                var out = Columns(0.0)
+                comptime for m in range(ROWS):
+                    held[m] = fma(Columns(k[m]), u_columns, held[m])
+                    out = fma(held[m], Columns(q[m] * q_scale), out)
+                var o = slab_column_sum[CV](out, lane)
+                if writes_column:
+                    readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
+                    if records:
+                        ring[unsafe_offset=(record_row_base + token - start) * record_stride
+                            + delta_offset[K, V](group_slot) + column + slot] = u
+        comptime if RECORD:
+            if records:
+                # The raw keys (once per key head) and the decays (once per value head).
+                var first = (record_row_base + chunk_start - start) * record_stride
+                if slab == 0:
+                    if tid < count:
+                        ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
+                            group_size, group_slot
+                        )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
+                    if group_slot == 0:
+                        comptime KEY_VECTORS = K // COPY_FLOATS
+                        for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
+                            var c = i // KEY_VECTORS
+                            var at = (i % KEY_VECTORS) * COPY_FLOATS
+                            ring.unsafe_store[alignment=16](
+                                first + c * record_stride + key_offset() + at,
+                                pairs.unsafe_load[width=COPY_FLOATS, alignment=16](
+                                    (2 * c + 1) * NATURAL + at
+                                ),
+                            )
+
+    # 4. A forward, or a window too long for the ring, commits the state.
+    if commit and (end > start or accepted > 0):
+        store_state()

@@ -227,8 +227,9 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
 # four columns, near its 255 registers, and a block's state tile is twice as tall.
 @pytest.mark.gpu
 @pytest.mark.parametrize(("state_dtype", "column_tile", "gpu_path"),
-                         [("float32", None, "throughput"), ("float32", 16, "throughput"), ("bfloat16", None, "throughput"),
-                          ("float32", None, "latency"), ("bfloat16", None, "latency")])
+                         [("float32", None, "throughput"), ("float32", 16, "throughput"),
+                          ("bfloat16", None, "throughput"), ("float32", None, "latency"),
+                          ("bfloat16", None, "latency")])
 def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | None, gpu_path: str) -> None:
     runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=2, gpu_path=gpu_path)
     case = random_window_case(11, num_value_heads=2, num_key_heads=1, key_dim=256, value_dim=256,

@@ -1,8 +1,9 @@
 """Small eager runs of every GPU kernel path, each checked bit for bit against the numpy
 reference: the fold (fp32 and bf16 pools), the verify, the verify with fold on load and
 the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN and an empty
-one), and the window kernel with claimed units (more units than resident blocks at a
-narrow column tile). Small enough to run under compute-sanitizer (sanitize.sh):
+one), on both GPU window kernels (the latency kernel and the throughput kernel, each
+forced), and the throughput kernel with claimed units (more units than resident blocks
+at a narrow column tile). Small enough to run under compute-sanitizer (sanitize.sh):
 
     python bench/profiling/small_runs.py
 """
@@ -29,8 +30,9 @@ def main() -> None:
         state = case.state_in.copy()
         fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu")
         same_bits(state, case.state_out, f"fold, {dtype} pool")
-    runners = {"default": WindowRunner("gpu"), "claimed units": WindowRunner("gpu", column_tile=8,
-                                                                            requests_per_block=3)}
+    runners = {"latency kernel": WindowRunner("gpu", gpu_path="latency"),
+               "throughput kernel": WindowRunner("gpu", gpu_path="throughput"),
+               "claimed units": WindowRunner("gpu", column_tile=8, requests_per_block=3, gpu_path="throughput")}
     for label, runner in runners.items():
         for dtype in ("float32", "bfloat16"):
             case = random_window_case(2, state_dtype=dtype)

@@ -5,10 +5,10 @@ Qwen3-Next shapes, per batch.
     python bench/tuning/tune_paths.py [--dtype D] [--rounds N] [--no-fla] [--json FILE] [BATCH ...]
 
 For each batch it prints, in µs per step, our fused verify (fold on load) and our
-forward on the latency kernel and on the throughput kernel, beside MAX's verify + fold and FLA's fused_recurrent (where torch and fla
-import); each round times every variant in turn and the median counts. The batch where
-the latency kernel stops winning is the threshold `LATENCY_WARPS_PER_SM` in
-`mojo/window_launch.mojo` is set from.
+forward on the latency kernel and on the throughput kernel, beside MAX's verify + fold
+and FLA's fused_recurrent (where torch and fla import); each round times every variant
+in turn and the median counts. The batch where the latency kernel stops winning sets
+the threshold `LATENCY_WARPS_PER_SM` in `mojo/window_launch.mojo`.
 """
 
 from __future__ import annotations
@@ -80,9 +80,10 @@ def main() -> None:
         console.print(f"batch {batch:4d} {args.dtype}: {line}")
         for variant in OURS:
             best = min(PATHS[:2], key=lambda p, v=variant: row[f"{v}/{p}"])
-            console.print(f"    {variant}: latency/throughput {row[f'{variant}/throughput'] / row[f'{variant}/latency']:.3f}x"
-                          f" faster on latency; best {best}; best over fla {fla_us / row[f'{variant}/{best}']:.3f}x;"
-                          f" best over max {row['max'] / row[f'{variant}/{best}']:.3f}x")
+            speedup = row[f"{variant}/throughput"] / row[f"{variant}/latency"]
+            best_us = row[f"{variant}/{best}"]
+            console.print(f"    {variant}: latency {speedup:.3f}x faster than throughput; best {best};"
+                          f" best over fla {fla_us / best_us:.3f}x; best over max {row['max'] / best_us:.3f}x")
         del operands, timers
     if args.json:
         with open(args.json, "w") as out:

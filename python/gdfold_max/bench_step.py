@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING
 
 import numpy as np
 from max.driver import Accelerator, Buffer, Device
@@ -40,7 +40,7 @@ from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
 from .graph import kernels_path, state_fold
-from .window_graph import recurrence, verify_ring
+from .window_graph import WindowTiling, recurrence, verify_ring
 
 if TYPE_CHECKING:
     from .fla_anchor import FlaSteps
@@ -48,9 +48,6 @@ if TYPE_CHECKING:
 #: The graph variants (FLA runs through torch, beside them).
 VARIANTS = ("max", "ours", "fused", "forward")
 
-#: GPU keywords of :func:`verify_ring` and :func:`recurrence` (``column_tile``,
-#: ``requests_per_block``, ``gpu_path``).
-WindowTiling: TypeAlias = dict[str, int | str]
 
 #: Passes over the state each variant makes, so the bytes it must move: a count from
 #: the design, not a measurement.

@@ -205,14 +205,12 @@ def bench_step(
                       " --device cpu times ours and ours fused alone")
         raise typer.Exit(2)
     batch_list = [int(b) for b in batches.split(",")]
-    from .window_graph import GPU_PATHS
+    from .window_graph import GPU_PATHS, WindowTiling
 
     if gpu_path not in GPU_PATHS:
         raise typer.BadParameter(f"{gpu_path!r} is not one of {', '.join(GPU_PATHS)}", param_hint="--gpu-path")
-    tiling: dict[str, int | str] = {k: v for k, v in (("column_tile", column_tile),
-                                                      ("requests_per_block", requests_per_block)) if v is not None}
-    if gpu_path != "auto":
-        tiling["gpu_path"] = gpu_path
+    tiling: WindowTiling = {"column_tile": column_tile, "requests_per_block": requests_per_block,
+                            "gpu_path": gpu_path}
     if rounds < 1:
         raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,

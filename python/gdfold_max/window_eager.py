@@ -28,7 +28,7 @@ from .eager_base import (
 )
 from .graph import kernels_path
 from .graph_checks import pool_dims, ring_parameters
-from .window_graph import GPU_PATHS, check_qkv_width, recurrence, verify_ring
+from .window_graph import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 
@@ -177,8 +177,8 @@ class WindowRunner(CompiledGraphs):
     def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
-        tiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block,
-                  "gpu_path": self.gpu_path}
+        tiling: WindowTiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block,
+                                "gpu_path": self.gpu_path}
         f32, u32 = DType.float32, DType.uint32
         inputs = [
             TensorType(f32, ["tokens", "width"], where),

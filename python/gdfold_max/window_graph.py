@@ -9,6 +9,7 @@ reference reproduces the readout, the records and the pool bit for bit.
 from __future__ import annotations
 
 import re
+from typing import TypedDict
 
 from max.driver import Accelerator, accelerator_count
 from max.dtype import DType
@@ -42,6 +43,14 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: kernel (resident blocks that work through many, overlapping one's copies with
 #: another's arithmetic) for many. Both give the same bits.
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
+
+
+class WindowTiling(TypedDict, total=False):
+    """The GPU keywords of :func:`verify_ring` and :func:`recurrence`."""
+
+    column_tile: int | None
+    requests_per_block: int | None
+    gpu_path: str
 
 
 def _tile_makes_whole_warps(tile: int) -> bool:

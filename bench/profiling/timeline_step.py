@@ -2,6 +2,7 @@
 them, for MAX's verify + fold, ours, and our fused verify, at Qwen3-Next shapes:
 
     python bench/profiling/timeline_step.py [--batch N] [--dtype float32|bfloat16] [--variants ...]
+                                            [--gpu-paths auto|latency|throughput ...]
 
 bench-step gives a step's time; this shows what it is made of: how long each kernel
 runs on the GPU, which kernels besides the verify and fold a step launches, and how
@@ -74,21 +75,26 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--layers", type=int, default=FoldShape().num_layers)
+    parser.add_argument("--gpu-paths", nargs="+", default=["auto"], choices=["auto", "latency", "throughput"],
+                        help="our window kernel: each path given is listed in turn")
     args = parser.parse_args()
     torch.cuda.init()
     state_dtype = getattr(DType, args.dtype)
     shape = FoldShape(num_layers=args.layers)
     device = Accelerator()
-    graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2)
-    graphs.compile_all(args.variants, [state_dtype], chained=False)
+    session = InferenceSession(devices=[device])
+    by_path = {path: StepGraphs(session, device, shape, 2, {"gpu_path": path}) for path in args.gpu_paths}
+    for graphs in by_path.values():
+        graphs.compile_all(args.variants, [state_dtype], chained=False)
     operands = make_step_operands(device, shape, args.batch, state_dtype)
     print(f"one step, batch {args.batch}, {args.dtype} pool, {shape.num_layers} layers")
-    for variant in args.variants:
-        model = graphs.model(variant, state_dtype, 1)
-        run = functools.partial(run_once, model, device, operands)
-        for _ in range(3):
-            run()
-        summarise(variant, kernel_records(run))
+    for path, graphs in by_path.items():
+        for variant in args.variants:
+            model = graphs.model(variant, state_dtype, 1)
+            run = functools.partial(run_once, model, device, operands)
+            for _ in range(3):
+                run()
+            summarise(f"{variant} ({path} kernel)" if variant != "max" else variant, kernel_records(run))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 the anchors, in one process: the decoding step's state work over all layers at
 Qwen3-Next shapes, per batch.
 
-    python bench/tuning/tune_paths.py [--dtype D] [--rounds N] [--no-fla] [--json FILE] [BATCH ...]
+    python bench/tuning/tune_paths.py [--dtype D] [--rounds N] [--no-fla] [--eager] [--json FILE]
+                                      [--kernels DIR ...] [BATCH ...]
 
 For each batch it prints, in µs per step, our fused verify (fold on load) and our
 forward on the latency kernel and on the throughput kernel, beside MAX's verify + fold
 and FLA's fused_recurrent (where torch and fla import); each round times every variant
 in turn and the median counts. The batch where the latency kernel stops winning sets
-the threshold `LATENCY_WARPS_PER_SM` in `mojo/window_launch.mojo`.
+the threshold `LATENCY_WARPS_PER_SM` in `mojo/window_launch.mojo`. Every graph runs as a
+captured device graph (as MAX's pipelines run decoding steps, and as FLA's CUDA graphs
+run) unless ``--eager`` times ``execute()`` instead. ``--kernels`` adds the latency
+kernel of each given copy of ``mojo/`` (a change to try) beside the installed one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 from max.driver import Accelerator
 from max.dtype import DType
@@ -38,6 +43,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--eager", action="store_true", help="time execute() instead of captured device graphs")
+    parser.add_argument("--kernels", nargs="*", type=Path, default=[],
+                        help="copies of mojo/ whose latency kernel is timed beside the installed one")
     args = parser.parse_args()
     console = Console()
     device = Accelerator()
@@ -47,6 +55,10 @@ def main() -> None:
     chain = 2
     anchors = StepGraphs(session, device, shape, chain)
     by_path = {path: StepGraphs(session, device, shape, chain, {"gpu_path": path}) for path in PATHS}
+    for folder in args.kernels:
+        by_path[f"latency@{folder.name}"] = StepGraphs(session, device, shape, chain, {"gpu_path": "latency"},
+                                                       kernels=folder.resolve())
+    replay = not args.eager
     console.print("compiling ...")
     anchors.compile_all(["max"], [state_dtype])
     for graphs in by_path.values():
@@ -60,16 +72,16 @@ def main() -> None:
             console.print(f"FLA is not timed: {missing}")
         else:
             fla = FlaSteps(shape, chain)
-    names = ["max", *(f"{v}/{p}" for v in OURS for p in PATHS), *(["fla"] if fla else [])]
+    names = ["max", *(f"{v}/{p}" for v in OURS for p in by_path), *(["fla"] if fla else [])]
     results = []
     for batch in args.batches:
         operands = make_step_operands(device, shape, batch, state_dtype)
         timers: dict[str, Callable[[], float]] = {
-            "max": partial(anchors.per_step_seconds, "max", state_dtype, operands, args.repeats)}
+            "max": partial(anchors.per_step_seconds, "max", state_dtype, operands, args.repeats, replay)}
         for path, graphs in by_path.items():
             for variant in OURS:
                 timers[f"{variant}/{path}"] = partial(graphs.per_step_seconds, variant, state_dtype, operands,
-                                                      args.repeats)
+                                                      args.repeats, replay)
         if fla is not None:
             timers["fla"] = fla.prepare(step_host_inputs(shape, batch), batch, state_dtype, args.repeats)
         measured = measure_rounds(names, args.rounds, timers)

@@ -9,6 +9,7 @@ Rows render as a rich table and write as JSON, a ratio that was not measured as 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -85,6 +86,7 @@ class ChainedGraphs:
     def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int) -> None:
         self.session, self.device, self.shape, self.chain = session, device, shape, chain
         self._models: dict[tuple[str, DType, int], Model] = {}
+        self._capture_keys = itertools.count(1)
 
     def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
         raise NotImplementedError
@@ -104,16 +106,33 @@ class ChainedGraphs:
             self._models[key] = self.session.load(self.build(*key))
         return self._models[key]
 
-    def per_link_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
-        """(t_R - t_1) / (R - 1) over the graphs of R = ``chain`` links and of one."""
+    def per_link_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
+                         replay: bool = False) -> float:
+        """(t_R - t_1) / (R - 1) over the graphs of R = ``chain`` links and of one.
+
+        With ``replay`` each graph is captured once as a device graph (``Model.capture``)
+        and its replays are timed, as MAX's pipelines run their decoding steps: the host's
+        cost of launching each kernel then drops out, as it does for FLA's CUDA graphs."""
         def timed(links: int) -> float:
             model = self.model(variant, state_dtype, links)
+            if not replay:
+                def run() -> None:
+                    model.execute(*operands)
+                    self.device.synchronize()
 
-            def run() -> None:
-                model.execute(*operands)
+                return best_seconds(run, repeats)
+            key = next(self._capture_keys)
+            outputs = model.capture(key, *operands)
+
+            def run_replay() -> None:
+                model.replay(key, *operands)
                 self.device.synchronize()
 
-            return best_seconds(run, repeats)
+            try:
+                return best_seconds(run_replay, repeats)
+            finally:
+                del outputs
+                model.release_captured_graph(key)
 
         one = timed(1)
         many = timed(self.chain)

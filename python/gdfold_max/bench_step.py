@@ -156,9 +156,11 @@ class StepGraphs(ChainedGraphs):
         assert readout is not None
         return readout
 
-    def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
-        """(t_R - t_1) / (R - 1) over graphs of R chained steps and of one."""
-        return self.per_link_seconds(variant, state_dtype, operands, repeats)
+    def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
+                         replay: bool = False) -> float:
+        """(t_R - t_1) / (R - 1) over graphs of R chained steps and of one (``replay``:
+        captured device graphs, see ``ChainedGraphs.per_link_seconds``)."""
+        return self.per_link_seconds(variant, state_dtype, operands, repeats, replay)
 
 
 def step_host_inputs(shape: FoldShape, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -206,14 +208,18 @@ def run_step_bench(
     console: Console | None = None,
     device: Device | None = None,
     with_fla: bool = True,
+    replay: bool = True,
 ) -> list[StepRow]:
     """Measures the variants for every (dtype, batch) on ``device`` (default: the GPU)
     and returns the rows: MAX's, ours, fused (and FLA's where it imports) on a GPU,
-    ours and fused on the CPU."""
+    ours and fused on the CPU. On a GPU with ``replay`` (the default) every graph runs as
+    a captured device graph, as MAX's pipelines run decoding steps and as FLA's CUDA
+    graphs run: what is timed is the GPU's work, not the host's launches."""
     shape = shape or FoldShape()
     console = console or Console()
     device = device or Accelerator()
     on_gpu = device.label != "cpu"
+    replay = replay and on_gpu
     graph_variants = VARIANTS if on_gpu else tuple(v for v in VARIANTS if v != "max")
     fla: FlaSteps | None = None
     if on_gpu and with_fla:
@@ -233,7 +239,7 @@ def run_step_bench(
     for state_dtype, batch in sweep(dtypes, list(batches), console, "step"):
         operands = make_step_operands(device, shape, batch, state_dtype)
         timers: dict[str, Callable[[], float]] = {
-            v: partial(graphs.per_step_seconds, v, state_dtype, operands, repeats) for v in graph_variants}
+            v: partial(graphs.per_step_seconds, v, state_dtype, operands, repeats, replay) for v in graph_variants}
         if fla is not None:
             try:
                 timers["fla"] = fla.prepare(step_host_inputs(shape, batch), batch, state_dtype, repeats)

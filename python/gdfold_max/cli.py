@@ -192,6 +192,8 @@ def bench_step(
     json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
         "bench-step-results.json"
     ),
+    replay: Annotated[bool, typer.Option(
+        help="GPU: time captured device graphs (as MAX's pipelines decode); --no-replay times execute().")] = True,
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
@@ -214,7 +216,7 @@ def bench_step(
     if rounds < 1:
         raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,
-                          console=console,
+                          console=console, replay=replay,
                           device=CPU() if device == Target.cpu else None)
     render_steps(rows, console)
     write_json(rows, str(json_out))

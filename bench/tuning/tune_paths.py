@@ -56,7 +56,8 @@ def main() -> None:
     anchors = StepGraphs(session, device, shape, chain)
     by_path = {path: StepGraphs(session, device, shape, chain, {"gpu_path": path}) for path in PATHS}
     for folder in args.kernels:
-        by_path[f"latency@{folder.name}"] = StepGraphs(session, device, shape, chain, {"gpu_path": "latency"},
+        label = folder.parent.name if folder.name == "mojo" else folder.name
+        by_path[f"latency@{label}"] = StepGraphs(session, device, shape, chain, {"gpu_path": "latency"},
                                                        kernels=folder.resolve())
     replay = not args.eager
     console.print("compiling ...")

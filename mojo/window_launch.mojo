@@ -42,10 +42,14 @@ comptime WINDOW_GPU_CAPABILITY_MAJOR = 9
 comptime GPU_PATH_AUTO = 0
 comptime GPU_PATH_LATENCY = 1
 comptime GPU_PATH_THROUGHPUT = 2
-# The latency kernel (one warp per request on one column slab) runs launches of at most
-# this many of its warps per SM; larger launches go to the throughput kernel, whose
-# resident blocks overlap one unit's copies with another's arithmetic.
-comptime LATENCY_WARPS_PER_SM = 16
+# The latency kernel (one warp per request on one column slab) runs automatic launches
+# of at most this many of its warps per SM; larger ones go to the throughput kernel,
+# whose resident blocks overlap one unit's copies with another's arithmetic. Zero: on an
+# H200 the latency kernel as it stands was slower at every batch from 1 to 256 (fp32,
+# 1.20x the throughput kernel's fused step at batch 1, 2.1x at 256;
+# bench/results/paths-h200-2026-12-01.txt), so "auto" runs the throughput kernel until
+# the latency kernel wins somewhere (docs/tuning-log.md says where its time may go).
+comptime LATENCY_WARPS_PER_SM = 0
 
 
 def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, ctx: DeviceContext) raises -> Bool:

@@ -249,9 +249,8 @@ def test_gpu_three_warp_tile_matches_reference(gpu_path: str) -> None:
 
 
 # The latency kernel over the batches the throughput kernel's tilings above cover (many
-# warps per SM, every kind of window), and the automatic choice on both sides of its
-# threshold: 128 requests of 8 heads give the latency kernel 8192 warps, past what it
-# takes on an H200, so "auto" runs the throughput kernel there.
+# warps per SM, every kind of window), and the automatic choice at a small and a large
+# batch (LATENCY_WARPS_PER_SM in mojo/window_launch.mojo decides which kernel it runs).
 @pytest.mark.gpu
 @pytest.mark.parametrize(("state_dtype", "gpu_path", "batch"),
                          [("float32", "latency", 7), ("bfloat16", "latency", 7), ("float32", "latency", 70),

@@ -37,11 +37,14 @@ WARP_THREADS = 32
 #: than two each.
 AUTOMATIC_REQUESTS_PER_BLOCK = 0
 
-#: The GPU kernels a window op can run, as the op's ``GPU_PATH`` parameter. ``"auto"``
-#: picks at run time from the launch's units of work: the latency kernel (one warp per
-#: request on one narrow column slab, its state in registers) for few, the throughput
-#: kernel (resident blocks that work through many, overlapping one's copies with
-#: another's arithmetic) for many. Both give the same bits.
+#: The GPU kernels a window op can run, as the op's ``GPU_PATH`` parameter: the latency
+#: kernel (one warp per request on one narrow column slab, its state in registers) and
+#: the throughput kernel (resident blocks that work through many units, overlapping
+#: one's copies with another's arithmetic). Both give the same bits. ``"auto"`` picks at
+#: run time from the launch's units of work, below a threshold measured on an H200
+#: (``LATENCY_WARPS_PER_SM`` in ``mojo/window_launch.mojo``); today that threshold is 0,
+#: since the latency kernel was slower at every batch measured, so ``"auto"`` runs the
+#: throughput kernel.
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 
 
@@ -229,7 +232,8 @@ def verify_ring(
             they run more than two each (default: as many blocks as the GPU holds at
             once).
         gpu_path: GPU only: ``"auto"`` (default) picks the kernel at run time from the
-            batch and shape; ``"latency"`` or ``"throughput"`` forces one (see
+            batch and shape (today always the throughput kernel, the faster at every
+            batch measured); ``"latency"`` or ``"throughput"`` forces one (see
             :data:`GPU_PATHS`). Every path gives the same bits; ``column_tile`` and
             ``requests_per_block`` shape the throughput kernel only.
 

@@ -12,8 +12,7 @@ from max.gpu.host import DeviceContext
 
 from .fold import check_shapes
 from .fold_cpu import fold_cpu
-from .operand_checks import check_ids
-from .record_layout import channel_record_elements
+from .operand_checks import check_channel_record_stride, check_ids
 
 
 @extensibility.register("gdfold_state_fold_channel")
@@ -47,12 +46,7 @@ struct StateFoldChannel:
         var num_value_heads = recurrent_state.dim_size(1)
         var num_key_heads = ring.dim_size(1)
         var record_stride = ring.dim_size(3)
-        var needed = channel_record_elements[K, V](num_value_heads // num_key_heads)
-        if record_stride < needed:
-            raise Error(
-                t"ring: record stride {record_stride} is smaller than K + G*(V+K) ="
-                t" {needed}, what per-channel records need"
-            )
+        check_channel_record_stride[K, V](num_value_heads, num_key_heads, record_stride)
         comptime if target == "cpu":
             var num_layers = row_ids.dim_size(0)
             var batch = row_ids.dim_size(1)

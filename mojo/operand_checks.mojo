@@ -3,7 +3,7 @@
 from std.utils import IndexList
 
 from .fold_gpu import RECORD_VEC
-from .record_layout import record_elements
+from .record_layout import channel_record_elements, record_elements
 
 
 def check_head_dims[K: Int, V: Int, RING_LEN: Int]():
@@ -46,6 +46,19 @@ def check_pool_and_ring[
         raise Error(
             t"ring: record stride {ring_dims[3]} is not a multiple of"
             t" {RECORD_VEC} floats (16 bytes)"
+        )
+
+
+def check_channel_record_stride[
+    K: Int, V: Int
+](num_value_heads: Int, num_key_heads: Int, record_stride: Int) raises:
+    """Raises unless a record of the stride holds per-channel gates' K decays per value
+    head (K + G*(V+K) floats)."""
+    var needed = channel_record_elements[K, V](num_value_heads // num_key_heads)
+    if record_stride < needed:
+        raise Error(
+            t"ring: record stride {record_stride} is smaller than K + G*(V+K) ="
+            t" {needed}, what per-channel records need"
         )
 
 

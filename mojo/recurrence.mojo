@@ -9,7 +9,7 @@ from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.utils import IndexList
 
-from .window_launch import run_windows
+from .window_launch import head_decay_dims, run_windows
 
 
 @extensibility.register("gdfold_recurrence")
@@ -43,7 +43,7 @@ struct Recurrence:
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             readout.unsafe_ptr(), IndexList[4](0, 0, 1, 0),
             qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), decay.shape(),
+            decay.unsafe_ptr(), head_decay_dims(decay.shape()),
             beta.unsafe_ptr(), beta.shape(),
             row_ids.unsafe_ptr(), row_ids.dim_size(0),
             row_ids.unsafe_ptr(), row_ids.dim_size(0),

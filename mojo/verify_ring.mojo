@@ -11,7 +11,7 @@ import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 
-from .window_launch import run_windows
+from .window_launch import head_decay_dims, run_windows
 
 
 @extensibility.register("gdfold_verify_ring")
@@ -46,7 +46,7 @@ struct VerifyRing:
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             ring.unsafe_ptr(), ring.shape(),
             qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), decay.shape(),
+            decay.unsafe_ptr(), head_decay_dims(decay.shape()),
             beta.unsafe_ptr(), beta.shape(),
             row_ids.unsafe_ptr(), row_ids.dim_size(0),
             ring_row_ids.unsafe_ptr(), ring_row_ids.dim_size(0),
@@ -90,7 +90,7 @@ struct VerifyRingFoldOnLoad:
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
             ring.unsafe_ptr(), ring.shape(),
             qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), decay.shape(),
+            decay.unsafe_ptr(), head_decay_dims(decay.shape()),
             beta.unsafe_ptr(), beta.shape(),
             row_ids.unsafe_ptr(), row_ids.dim_size(0),
             ring_row_ids.unsafe_ptr(), ring_row_ids.dim_size(0),

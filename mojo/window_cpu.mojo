@@ -7,6 +7,10 @@ columns then run the request's tokens 8 at a time, from a state still in cache (
 column of a head's [K, V] state evolves on its own). Each 8-column block keeps its K x 8
 slice of the state in registers and stack. The tokens' norms are computed first, once
 per (token, key head), for every block of every value head that reads them.
+
+With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
+value head, `decay[t, h, i]`, and state row i decays by the i-th; a record then holds
+the K decays of each value head of its group (record_layout.channel_decay_offset).
 """
 
 from max.algorithm import sync_parallelize
@@ -16,7 +20,13 @@ from std.sys import num_logical_cores
 from .float_env import keep_subnormals, write_float_control
 from .fold_cpu import fold_head_cpu
 from .recurrence_math import REDUCTION_LANES, inverse_norm, lane_tree, query_scale
-from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
+from .record_layout import (
+    channel_decay_offset,
+    decay_offset,
+    delta_offset,
+    first_record_at,
+    key_offset,
+)
 from .state_cast import narrow, widen
 
 comptime COLUMN_BLOCK = 8
@@ -30,6 +40,7 @@ def windows_cpu[
     RING_LEN: Int,
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
+    CHANNEL: Bool = False,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -103,7 +114,11 @@ def windows_cpu[
             var v_at = t * qkv_width + 2 * num_key_heads * K + value_head * V + column
             var inv_k = inverse_key_norm(t, key_head)
             var q_scale = query_norm_scale(t, key_head)
-            var d = decay[unsafe_offset=t * num_value_heads + value_head]
+            # The head's decay, or (per-channel gates) its K decays, one per state row.
+            var d_at = t * num_value_heads + value_head
+            comptime if CHANNEL:
+                d_at *= K
+            var d = decay[unsafe_offset=d_at]
             var b = beta[unsafe_offset=t * num_value_heads + value_head]
 
             # kv = S^T k on the decayed state.
@@ -111,7 +126,10 @@ def windows_cpu[
             for m in range(K // REDUCTION_LANES):
                 comptime for p in range(REDUCTION_LANES):
                     var i = m * REDUCTION_LANES + p
-                    s[i] = s[i] * d
+                    comptime if CHANNEL:
+                        s[i] = s[i] * decay[unsafe_offset=d_at + i]
+                    else:
+                        s[i] = s[i] * d
                     lanes[p] = fma(s[i], SIMD[DType.float32, W](qkv[unsafe_offset=k_at + i]), lanes[p])
             var kv = lane_tree[W](lanes)
             var error = fma(-kv, SIMD[DType.float32, W](inv_k), qkv.unsafe_load[width=W](v_at))
@@ -137,7 +155,12 @@ def windows_cpu[
                     ) + (t - start) * record_stride
                     ring.unsafe_store(record + delta_offset[K, V](group_slot) + column, u)
                     if block == 0:
-                        ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
+                        comptime if CHANNEL:
+                            var decays_at = record + channel_decay_offset[K, V](group_size, group_slot)
+                            for i in range(K):
+                                ring[unsafe_offset=decays_at + i] = decay[unsafe_offset=d_at + i]
+                        else:
+                            ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)] = d
                         if group_slot == 0:
                             for i in range(K):
                                 ring[unsafe_offset=record + key_offset() + i] = qkv[unsafe_offset=k_at + i]
@@ -156,7 +179,7 @@ def windows_cpu[
             var accepted = Int(previous_accepted[unsafe_offset=request])
             if accepted >= 1 and accepted <= RING_LEN:
                 # What a separate fold leaves in the pool, and what the window reads.
-                fold_head_cpu[state_dtype, K, V, RING_LEN](
+                fold_head_cpu[state_dtype, K, V, RING_LEN, CHANNEL](
                     state,
                     ring,
                     head_base,

@@ -12,7 +12,13 @@ from max.gpu.host.nvidia.tma import TMADescriptor, TensorMapSwizzle, create_tma_
 from std.math import ceildiv
 from std.utils import IndexList
 
-from .operand_checks import check_head_dims, check_ids, check_pool, check_pool_and_ring
+from .operand_checks import (
+    check_channel_record_stride,
+    check_head_dims,
+    check_ids,
+    check_pool,
+    check_pool_and_ring,
+)
 from .window_cpu import windows_cpu
 from .window_gpu import window_block_threads, windows_gpu_kernel
 from .window_gpu_latency import (
@@ -73,6 +79,11 @@ def check_window_gpu(ctx: DeviceContext) raises:
             t" compute capability 9.x, e.g. H100, H200); this device is {api} with compute"
             t" capability {capability}. Run the op on the CPU instead."
         )
+
+
+def head_decay_dims(dims: IndexList[2]) -> IndexList[3]:
+    """The [T, nv] shape of a decay per head as run_windows takes decay shapes."""
+    return IndexList[3](dims[0], dims[1], 1)
 
 
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
@@ -156,6 +167,7 @@ def run_windows[
     GPU_PATH: Int,
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
+    CHANNEL: Bool = False,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     readout_dims: IndexList[2],
@@ -166,7 +178,7 @@ def run_windows[
     qkv: Pointer[Float32, ImmutAnyOrigin],
     qkv_dims: IndexList[2],
     decay: Pointer[Float32, ImmutAnyOrigin],
-    decay_dims: IndexList[2],
+    decay_dims: IndexList[3],
     beta: Pointer[Float32, ImmutAnyOrigin],
     beta_dims: IndexList[2],
     row_ids: Pointer[UInt32, ImmutAnyOrigin],
@@ -181,7 +193,10 @@ def run_windows[
     previous_accepted_len: Int,
     ctx: DeviceContext,
 ) raises:
-    """Checks every operand, then runs each request's window (see window_cpu/gpu)."""
+    """Checks every operand, then runs each request's window (see window_cpu/gpu).
+
+    `decay_dims` is [T, nv, 1] for a decay per head ([T, nv]), [T, nv, K] with `CHANNEL`
+    (per-channel gates: the CPU path only, for now)."""
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
     # time, and its blocks (two threads per column) are whole warps or one warp at most.
@@ -206,11 +221,20 @@ def run_windows[
         check_pool[K, V](state_dims)
         num_key_heads = key_heads_of_qkv[K, V](qkv_dims[1], num_value_heads)
     var num_tokens = qkv_dims[0]
-    if decay_dims[0] != num_tokens or decay_dims[1] != num_value_heads:
-        raise Error(
-            t"decay: expected [{num_tokens}, {num_value_heads}], got"
-            t" [{decay_dims[0]}, {decay_dims[1]}]"
-        )
+    comptime DECAYS = K if CHANNEL else 1
+    if decay_dims[0] != num_tokens or decay_dims[1] != num_value_heads or decay_dims[2] != DECAYS:
+        comptime if CHANNEL:
+            raise Error(
+                t"decay: expected [{num_tokens}, {num_value_heads}, {K}], got"
+                t" [{decay_dims[0]}, {decay_dims[1]}, {decay_dims[2]}]"
+            )
+        else:
+            raise Error(
+                t"decay: expected [{num_tokens}, {num_value_heads}], got"
+                t" [{decay_dims[0]}, {decay_dims[1]}]"
+            )
+    comptime if CHANNEL and RECORD:
+        check_channel_record_stride[K, V](num_value_heads, num_key_heads, ring_dims[3])
     if beta_dims[0] != num_tokens or beta_dims[1] != num_value_heads:
         raise Error(
             t"beta: expected [{num_tokens}, {num_value_heads}], got"
@@ -232,6 +256,11 @@ def run_windows[
             "previous_num_accepted", previous_accepted_len, batch, "the batch of row_ids"
         )
     comptime if target == "gpu":
+        comptime if CHANNEL:
+            raise Error(
+                "gdfold verify and forward: per-channel gates have no GPU path yet; run the"
+                " op on the CPU"
+            )
         check_window_gpu(ctx)
     if batch == 0 or num_value_heads == 0:
         return
@@ -249,12 +278,12 @@ def run_windows[
             check_no_ring_overlap[RING_LEN](
                 ring_row_ids, offsets, previous_ring_row_ids, previous_accepted, batch
             )
-        windows_cpu[state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS](
+        windows_cpu[state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted, batch, num_value_heads,
             num_key_heads, record_stride,
         )
-    elif target == "gpu":
+    elif target == "gpu" and not CHANNEL:
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
         if uses_latency_kernel[GPU_PATH](latency_units, ctx):

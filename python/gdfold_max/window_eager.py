@@ -28,6 +28,7 @@ from .eager_base import (
 )
 from .graph import kernels_path
 from .graph_checks import pool_dims, ring_parameters
+from .layout import Gate
 from .window_graph import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
@@ -89,7 +90,10 @@ class WindowCall:
     parameters: dict[str, int]
 
 
-def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_heads: int) -> tuple[Operand, ...]:
+def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_heads: int, key_dim: int
+                    ) -> tuple[tuple[Operand, ...], Gate]:
+    """The token operands, checked, and the gate the decay's shape names (``[T, nv]``:
+    one decay per head; ``[T, nv, K]``: per-channel gates)."""
     operands = tuple(
         describe(name, value, device, writable=False)
         for name, value in zip(_TOKEN_INPUTS, (qkv, decay, beta), strict=True)
@@ -97,15 +101,18 @@ def _token_operands(qkv: Any, decay: Any, beta: Any, device: Any, num_value_head
     for operand in operands:
         if operand.dtype != DType.float32:
             raise ValueError(f"{operand.name}: dtype {operand.dtype.name} is unsupported (float32)")
-        if len(operand.shape) != 2:
-            raise ValueError(f"{operand.name}: expected rank 2, got shape {list(operand.shape)}")
+        if len(operand.shape) != 2 and not (operand.name == "decay" and len(operand.shape) == 3):
+            expected = "rank 2 [T, nv] or rank 3 [T, nv, K]" if operand.name == "decay" else "rank 2"
+            raise ValueError(f"{operand.name}: expected {expected}, got shape {list(operand.shape)}")
     num_tokens = operands[0].shape[0]
+    gate: Gate = "channel" if len(operands[1].shape) == 3 else "head"
     for operand in operands[1:]:
-        if operand.shape != (num_tokens, num_value_heads):
-            raise ValueError(
-                f"{operand.name}: expected [{num_tokens}, {num_value_heads}], got {list(operand.shape)}"
-            )
-    return operands
+        expected_shape: tuple[int, ...] = (num_tokens, num_value_heads)
+        if operand.name == "decay" and gate == "channel":
+            expected_shape = (num_tokens, num_value_heads, key_dim)
+        if operand.shape != expected_shape:
+            raise ValueError(f"{operand.name}: expected {list(expected_shape)}, got {list(operand.shape)}")
+    return operands, gate
 
 
 def validate_window(
@@ -123,12 +130,13 @@ def validate_window(
     rows, nv = state.shape[:2]
     ring_op = None
     num_key_heads = None
+    tokens, gate = _token_operands(qkv, decay, beta, device, nv, key_dim)
     parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1}
     if ring is not None:
         ring_op = describe("ring", ring, device, writable=True)
-        parameters = ring_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype)
+        parameters = ring_parameters(list(state.shape), state.dtype, list(ring_op.shape), ring_op.dtype, gate)
         num_key_heads = ring_op.shape[1]
-    tokens = _token_operands(qkv, decay, beta, device, nv)
+    parameters["CHANNEL"] = int(gate == "channel")
     check_qkv_width(tokens[0].shape[1], nv, key_dim, value_dim, num_key_heads)
     host = {name: host_table(name, value) for name, value in tables.items()}
     batch = host["row_ids"].shape[0] if host["row_ids"].ndim == 1 else -1
@@ -171,7 +179,8 @@ class WindowRunner(CompiledGraphs):
 
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled graph of ``kind`` (verify, fold_on_load or forward), built on first use."""
-        key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"])
+        key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
+               parameters.get("CHANNEL", 0))
         return self.compiled(key, lambda: self._build(kind, state_dtype, parameters))
 
     def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
@@ -180,9 +189,10 @@ class WindowRunner(CompiledGraphs):
         tiling: WindowTiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block,
                                 "gpu_path": self.gpu_path}
         f32, u32 = DType.float32, DType.uint32
+        channel = bool(parameters.get("CHANNEL", 0))
         inputs = [
             TensorType(f32, ["tokens", "width"], where),
-            TensorType(f32, ["tokens", "nv"], where),
+            TensorType(f32, ["tokens", "nv", k] if channel else ["tokens", "nv"], where),
             TensorType(f32, ["tokens", "nv"], where),
             BufferType(state_dtype, ["rows", "nv", k, v], where),
         ]
@@ -191,7 +201,7 @@ class WindowRunner(CompiledGraphs):
         tables = 2 if kind == "forward" else (5 if kind == "fold_on_load" else 3)
         inputs += [TensorType(u32, ["batch_plus_one" if i == (1 if kind == "forward" else 2) else "batch"], where)
                    for i in range(tables)]
-        name = f"gdfold_{kind}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
+        name = f"gdfold_{kind}{'_channel' if channel else ''}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
         with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
             qkv, decay, beta = (x.tensor for x in graph.inputs[:3])
             state = graph.inputs[3].buffer

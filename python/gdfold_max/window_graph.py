@@ -16,11 +16,14 @@ from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
 
 from .graph_checks import pool_dims, ring_parameters, row_table, shape_text, static_size
+from .layout import Gate
 from .window_shared_memory import check_column_tile_fits
 
 VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
+#: The ops with per-channel gates (a ``[T, nv, K]`` decay) are these names plus this.
+CHANNEL_OP_SUFFIX = "_channel"
 
 #: Value columns one GPU block owns, at most. A block stages a K x tile slice of the
 #: state in dynamic shared memory; at K=128 and an fp32 pool, 64 columns (128 threads
@@ -143,12 +146,16 @@ def check_qkv_width(width: int, num_value_heads: int, key_dim: int, value_dim: i
         )
 
 
-def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue, num_value_heads: Dim) -> None:
+def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue, num_value_heads: Dim,
+                        key_dim: int) -> Gate:
+    """Checks q, k, v, the decays and the betas; returns the gate the decay's shape names:
+    ``"head"`` for ``[T, nv]``, ``"channel"`` (per-channel gates) for ``[T, nv, K]``."""
     for name, value in (("qkv", qkv), ("decay", decay), ("beta", beta)):
         if value.dtype != DType.float32:
             raise ValueError(f"{name}: dtype {value.dtype.name} is unsupported (float32)")
-        if value.rank != 2:
-            raise ValueError(f"{name}: expected rank 2, got shape {shape_text(list(value.shape))}")
+        if value.rank != 2 and not (name == "decay" and value.rank == 3):
+            expected = "rank 2 [T, nv] or rank 3 [T, nv, K]" if name == "decay" else "rank 2"
+            raise ValueError(f"{name}: expected {expected}, got shape {shape_text(list(value.shape))}")
     tokens = [static_size(v.shape[0]) for v in (qkv, decay, beta)]
     known = {t for t in tokens if t is not None}
     if len(known) > 1:
@@ -159,7 +166,21 @@ def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue,
     for name, value in (("decay", decay), ("beta", beta)):
         width = static_size(value.shape[1])
         if heads is not None and width is not None and width != heads:
-            raise ValueError(f"{name}: expected [T, nv={heads}], got shape {shape_text(list(value.shape))}")
+            expected = f"[T, nv={heads}]" if value.rank == 2 else f"[T, nv={heads}, K={key_dim}]"
+            raise ValueError(f"{name}: expected {expected}, got shape {shape_text(list(value.shape))}")
+    if decay.rank == 2:
+        return "head"
+    decays = static_size(decay.shape[2])
+    if decays != key_dim:
+        raise ValueError(f"decay: per-channel gates need [T, nv, K={key_dim}] (static K), got shape"
+                         f" {shape_text(list(decay.shape))}")
+    return "channel"
+
+
+def _check_channel_device(device: DeviceRef) -> None:
+    if device.is_gpu():
+        raise ValueError("decay: per-channel gates ([T, nv, K] decays) have no GPU path yet; build the graph for"
+                         " the CPU")
 
 
 def _check_vector(name: str, value: TensorValue) -> TensorValue:
@@ -214,7 +235,10 @@ def verify_ring(
 
     Args:
         qkv: ``[T, 2*nk*K + nv*V]`` float32: q, then k, then v of every token.
-        decay: ``[T, nv]`` float32 decays, already exp'd.
+        decay: ``[T, nv]`` float32 decays, already exp'd; or ``[T, nv, K]`` for per-channel
+            gates (Kimi Delta Attention: state row i of a head decays by the i-th, and the
+            records hold K decays per value head, ``layout.RecordLayout(..., gate="channel")``;
+            the CPU only, for now).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 ring buffer.
@@ -246,10 +270,14 @@ def verify_ring(
             and recorded into, before anything is written. On the GPU, a request with
             an out-of-range id is skipped and its readout is NaN.
     """
-    parameters = ring_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype)
+    key_dim, _ = pool_dims(list(recurrent_state.shape), recurrent_state.dtype)
+    gate = _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1], key_dim)
+    parameters = ring_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype,
+                                 gate)
     check_window_device(recurrent_state.device)
+    if gate == "channel":
+        _check_channel_device(recurrent_state.device)
     value_dim = parameters["V"]
-    _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
     nv, nk, width = (static_size(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
     if nv is not None and nk is not None and width is not None:
         check_qkv_width(width, nv, parameters["K"], value_dim, nk)
@@ -269,17 +297,17 @@ def verify_ring(
             _check_vector("previous_ring_row_ids", previous_ring_row_ids),
             _check_vector("previous_num_accepted", previous_num_accepted),
         ]
+    op_parameters: dict[str, int] = {"K": parameters["K"], "V": value_dim, "RING_LEN": parameters["RING_LEN"]}
+    if gate == "channel":
+        name += CHANNEL_OP_SUFFIX  # the CPU path: no GPU tiling
+    else:
+        op_parameters.update(tiling)
     results = ops.inplace_custom(
         name,
         recurrent_state.device,
         [qkv, decay, beta, recurrent_state, ring, *tables],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters={
-            "K": parameters["K"],
-            "V": value_dim,
-            "RING_LEN": parameters["RING_LEN"],
-            **tiling,
-        },
+        parameters=op_parameters,
     )
     return results[0].tensor
 
@@ -303,7 +331,8 @@ def recurrence(
 
     Args:
         qkv: ``[T, 2*nk*K + nv*V]`` float32 (nk follows from the width).
-        decay, beta: ``[T, nv]`` float32.
+        decay: ``[T, nv]`` float32, or ``[T, nv, K]`` for per-channel gates (CPU only).
+        beta: ``[T, nv]`` float32.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer, updated
             in place.
         row_ids: ``[B]`` pool row of each request.
@@ -336,12 +365,18 @@ def recurrence(
     """
     key_dim, value_dim = pool_dims(list(recurrent_state.shape), recurrent_state.dtype)
     check_window_device(recurrent_state.device)
-    _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1])
+    gate = _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1], key_dim)
     nv, width = static_size(recurrent_state.shape[1]), static_size(qkv.shape[1])
     if nv is not None and width is not None:
         check_qkv_width(width, nv, key_dim, value_dim)
+    op_parameters: dict[str, int] = {"K": key_dim, "V": value_dim}
+    if gate == "channel":
+        _check_channel_device(recurrent_state.device)
+    else:
+        op_parameters.update(gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block,
+                                        gpu_path=gpu_path))
     results = ops.inplace_custom(
-        RECURRENCE_OP_NAME,
+        RECURRENCE_OP_NAME + (CHANNEL_OP_SUFFIX if gate == "channel" else ""),
         recurrent_state.device,
         [
             qkv,
@@ -352,7 +387,6 @@ def recurrence(
             _check_vector("input_row_offsets", input_row_offsets),
         ],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters={"K": key_dim, "V": value_dim, **gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile,
-                                                                    requests_per_block, gpu_path=gpu_path)},
+        parameters=op_parameters,
     )
     return results[0].tensor

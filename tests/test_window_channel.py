@@ -1,0 +1,157 @@
+"""The verify, the verify with fold on load and the forward with per-channel gates
+(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU, bit for bit against the numpy
+reference and against each other; bad input refused before anything is written; a GPU
+graph refused when it is built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.dtype import DType
+from max.graph import BufferType, DeviceRef, Graph, TensorType
+
+from conftest import assert_bits_equal
+from gdfold_max import folder_for, reference, runner_for, verify_ring
+from gdfold_max.cases import WindowCase, random_window_case
+from gdfold_max.graph import kernels_path
+from gdfold_max.layout import RecordLayout
+
+DTYPES = ["float32", "bfloat16"]
+
+
+def run_verify(case: WindowCase, *, ours: bool, fold_on_load: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    verify = runner_for("cpu").verify_ring if ours else reference.verify_ring
+    pool, ring = case.fresh()
+    previous = ({"previous_ring_row_ids": case.previous_ring_row_ids,
+                 "previous_num_accepted": case.previous_num_accepted} if fold_on_load else {})
+    out = verify(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets, **previous)
+    return out, pool, ring
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+@pytest.mark.parametrize("fold_on_load", [False, True])
+def test_verify_matches_reference(state_dtype: str, fold_on_load: bool) -> None:
+    # Windows: full, empty, one token, past RING_LEN (that request commits), ...
+    case = random_window_case(71, windows=[4, 0, 1, 6, 3], state_dtype=state_dtype, gate="channel")
+    assert case.decay.shape[-1] == case.state.shape[2]
+    got = run_verify(case, ours=True, fold_on_load=fold_on_load)
+    want = run_verify(case, ours=False, fold_on_load=fold_on_load)
+    for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
+        assert_bits_equal(a, b, name)
+
+
+def test_records_hold_k_decays_per_value_head() -> None:
+    case = random_window_case(72, windows=[3, 2], gate="channel")
+    _, _, ring = run_verify(case, ours=True, fold_on_load=False)
+    _, nv, k, v = case.state.shape
+    layout = RecordLayout(k, v, nv // case.num_key_heads, "channel")
+    first = int(case.input_row_offsets[0])
+    row = int(case.ring_row_ids[0])
+    for t in range(3):
+        for vh in range(case.state.shape[1]):
+            key_head, slot = divmod(vh, layout.group_size)
+            at = layout.decay_offset(slot)
+            assert_bits_equal(ring[row, key_head, t, at : at + case.state.shape[2]], case.decay[first + t, vh],
+                              f"token {t}, value head {vh}: decays")
+
+
+def test_fold_on_load_equals_fold_then_verify() -> None:
+    case = random_window_case(73, gate="channel")
+    fused = run_verify(case, ours=True, fold_on_load=True)
+    pool, ring = case.fresh()
+    folder_for("cpu").fold(pool, ring, case.row_ids[None], case.previous_ring_row_ids[None],
+                           case.previous_num_accepted, gate="channel")
+    plain = runner_for("cpu").verify_ring(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids,
+                                          case.input_row_offsets)
+    for name, a, b in zip(("readout", "pool", "ring"), fused, (plain, pool, ring), strict=True):
+        assert_bits_equal(a, b, name)
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_verify_then_fold_equals_forward_over_accepted_tokens(state_dtype: str) -> None:
+    case = random_window_case(74, windows=[4, 4, 4], state_dtype=state_dtype, gate="channel")
+    _, pool, ring = run_verify(case, ours=True, fold_on_load=False)
+    accepted = np.array([4, 1, 2], np.uint32)
+    folder_for("cpu").fold(pool, ring, case.row_ids[None], case.ring_row_ids[None], accepted, gate="channel")
+    # The forward over the accepted tokens alone.
+    keep = np.concatenate([np.arange(int(case.input_row_offsets[b]), int(case.input_row_offsets[b]) + int(n))
+                           for b, n in enumerate(accepted)])
+    offsets = np.concatenate([[0], np.cumsum(accepted)]).astype(np.uint32)
+    forward_pool = case.state.copy()
+    qkv, decay, beta = case.tokens()
+    runner_for("cpu").recurrence(qkv[keep], decay[keep], beta[keep], forward_pool, case.row_ids, offsets)
+    assert_bits_equal(pool, forward_pool)
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_forward_matches_reference(state_dtype: str) -> None:
+    case = random_window_case(75, windows=[7, 0, 1, 2], state_dtype=state_dtype, gate="channel")
+    got_pool = case.state.copy()
+    got = runner_for("cpu").recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
+    want_pool = case.state.copy()
+    want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
+                                    num_key_heads=case.num_key_heads)
+    assert_bits_equal(got, want, "readout")
+    assert_bits_equal(got_pool, want_pool, "pool")
+
+
+def test_per_channel_gates_differ_from_their_head_mean() -> None:
+    """The op reads every one of the K decays: a head gate of their first value gives
+    another readout."""
+    case = random_window_case(76, windows=[4, 4], gate="channel")
+    got, _, _ = run_verify(case, ours=True, fold_on_load=False)
+    pool, ring = case.fresh()
+    qkv, decay, beta = case.tokens()
+    head_ring = np.zeros((ring.shape[0], ring.shape[1], ring.shape[2],
+                          RecordLayout(case.state.shape[2], case.state.shape[3],
+                                       case.state.shape[1] // case.num_key_heads).min_stride), np.float32)
+    as_head = runner_for("cpu").verify_ring(qkv, np.ascontiguousarray(decay[:, :, 0]), beta, pool, head_ring,
+                                            case.row_ids, case.ring_row_ids, case.input_row_offsets)
+    assert not np.array_equal(got, as_head)
+
+
+def test_bad_input_is_refused_before_anything_is_written() -> None:
+    case = random_window_case(77, gate="channel")
+    runner = runner_for("cpu")
+    qkv, decay, beta = case.tokens()
+    tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets)
+
+    def untouched(call: object, match: str, *, decays: np.ndarray = decay, ring_stride: int | None = None) -> None:
+        pool, ring = case.fresh()
+        if ring_stride is not None:
+            ring = np.zeros(ring.shape[:3] + (ring_stride,), np.float32)
+        before_pool, before_ring = pool.copy(), ring.copy()
+        with pytest.raises(ValueError, match=match):
+            call(qkv, decays, beta, pool, ring, *tables)  # type: ignore[operator]
+        assert_bits_equal(pool, before_pool, "pool")
+        assert_bits_equal(ring, before_ring, "ring")
+
+    k = case.state.shape[2]
+    untouched(runner.verify_ring, rf"decay: expected \[{decay.shape[0]}, {case.state.shape[1]}, {k}\]",
+              decays=np.ascontiguousarray(decay[:, :, : k // 2]))
+    untouched(runner.verify_ring, r"decay: expected rank 2 \[T, nv\] or rank 3", decays=decay[..., None].copy())
+    group = case.state.shape[1] // case.num_key_heads
+    head_stride = RecordLayout(k, case.state.shape[3], group).min_stride
+    needed = RecordLayout(k, case.state.shape[3], group, "channel").elements
+    assert head_stride < needed
+    untouched(runner.verify_ring, rf"ring: record stride {head_stride} is smaller than K \+ G\*\(V\+K\) = {needed}",
+              ring_stride=head_stride)
+
+
+def test_gpu_graph_with_per_channel_gates_is_refused_when_built() -> None:
+    gpu = DeviceRef.GPU()
+    k = v = 64
+    layout = RecordLayout(k, v, 2, "channel")
+    with Graph("channel_on_gpu", input_types=[
+            TensorType(DType.float32, ["T", 2 * 1 * k + 2 * v], gpu),
+            TensorType(DType.float32, ["T", 2, k], gpu),
+            TensorType(DType.float32, ["T", 2], gpu),
+            BufferType(DType.float32, [4, 2, k, v], gpu),
+            BufferType(DType.float32, [8, 1, 4, layout.min_stride], gpu),
+            TensorType(DType.uint32, ["B"], gpu),
+            TensorType(DType.uint32, ["B"], gpu),
+            TensorType(DType.uint32, ["B1"], gpu)], custom_extensions=[kernels_path()]) as graph:
+        qkv, decay, beta, pool, ring, rows, ring_rows, offsets = graph.inputs
+        with pytest.raises(ValueError, match=r"per-channel gates \(\[T, nv, K\] decays\) have no GPU path yet"):
+            verify_ring(qkv.tensor, decay.tensor, beta.tensor, pool.buffer, ring.buffer, rows.tensor,
+                        ring_rows.tensor, offsets.tensor)

@@ -92,3 +92,9 @@ def test_bench_refuses_an_unknown_dtype(command: str) -> None:
     result = runner.invoke(app, [command, "--dtypes", "float32,float16", "--batches", "1"])
     assert result.exit_code == 2, result.output
     assert "--dtypes" in result.output and "float16" in result.output
+
+
+def test_bench_step_refuses_an_unknown_gpu_path() -> None:
+    result = runner.invoke(app, ["bench-step", "--device", "cpu", "--gpu-path", "fast", "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--gpu-path" in result.output and "fast" in result.output

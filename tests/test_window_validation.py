@@ -205,11 +205,27 @@ def test_gpu_tiling_defaults_and_explicit_values() -> None:
     from gdfold_max.window_graph import gpu_tiling
 
     f32 = DType.float32
-    assert gpu_tiling(f32, 128, 128, None, None) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0}
-    assert gpu_tiling(f32, 256, 256, None, None, fold_on_load=True) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0}
-    assert gpu_tiling(f32, 64, 64, 16, 3) == {"COLUMN_TILE": 16, "REQUESTS_PER_BLOCK": 3}
+    auto = {"GPU_PATH": 0}
+    assert gpu_tiling(f32, 128, 128, None, None) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0, **auto}
+    assert gpu_tiling(f32, 256, 256, None, None, fold_on_load=True) == {"COLUMN_TILE": 64, "REQUESTS_PER_BLOCK": 0,
+                                                                         **auto}
+    assert gpu_tiling(f32, 64, 64, 16, 3) == {"COLUMN_TILE": 16, "REQUESTS_PER_BLOCK": 3, **auto}
     with pytest.raises(ValueError, match="requests_per_block: -1 must be at least 1"):
         gpu_tiling(f32, 64, 64, None, -1)
+
+
+def test_gpu_path_names_its_kernel_and_bad_names_are_refused() -> None:
+    from max.dtype import DType
+
+    from gdfold_max.window_graph import gpu_tiling
+
+    f32 = DType.float32
+    assert [gpu_tiling(f32, 64, 64, None, None, gpu_path=p)["GPU_PATH"] for p in ("auto", "latency", "throughput")] == [
+        0, 1, 2]
+    with pytest.raises(ValueError, match="gpu_path: 'fast' must be one of 'auto', 'latency', 'throughput'"):
+        gpu_tiling(f32, 64, 64, None, None, gpu_path="fast")
+    with pytest.raises(ValueError, match="gpu_path: 'fast' must be one of 'auto', 'latency', 'throughput'"):
+        runner_for("cpu", "fast")
 
 
 @pytest.mark.parametrize(("value_dim", "column_tile"), [(96, 24), (96, 12), (40, 40), (120, 20)])

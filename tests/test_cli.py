@@ -98,3 +98,21 @@ def test_bench_step_refuses_an_unknown_gpu_path() -> None:
     result = runner.invoke(app, ["bench-step", "--device", "cpu", "--gpu-path", "fast", "--batches", "1"])
     assert result.exit_code == 2, result.output
     assert "--gpu-path" in result.output and "fast" in result.output
+
+
+def test_bench_refuses_per_channel_gates_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import max.driver
+
+    monkeypatch.setattr(max.driver, "accelerator_count", lambda: 1)
+    result = runner.invoke(app, ["bench", "--gate", "channel", "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "per-channel gates have no GPU path yet" in result.output
+
+
+def test_benchmark_shapes_per_gate() -> None:
+    from gdfold_max.bench_harness import FoldShape
+
+    kimi = FoldShape.for_gate("channel")
+    assert (kimi.num_layers, kimi.num_value_heads, kimi.num_key_heads, kimi.key_dim, kimi.value_dim) == (
+        20, 32, 32, 128, 128)
+    assert kimi.layout.elements == 128 + 128 + 128 and FoldShape.for_gate("head") == FoldShape()

@@ -29,7 +29,9 @@ from gdfold_max.sharded import (
     shard_window_inputs,
 )
 
-K = V = 32
+# K = V = 64, RING_LEN 4 and fp32: the eager verify graphs are the ones test_window
+# compiles (heads are symbolic), so these tests compile no graph of their own.
+K = V = 64
 
 
 def window_case() -> WindowCase:
@@ -92,13 +94,12 @@ def run_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[s
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("shards", ["1", "2"])
-def test_example_graph_of_shards_on_the_cpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                            shards: str) -> None:
-    """Every shard's verify with fold on load in one graph (two shards share the CPU and
-    its counts), checked by the example against the reference on each shard's heads."""
-    out = run_example(monkeypatch, capsys, "--cpu", "--shards", shards)
-    assert out.count(f"{shards} shards, every shard bit-exact") == 2
+def test_example_graph_of_shards_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Two shards' verify with fold on load in one graph (they share the CPU and its
+    counts), checked by the example against the reference on each shard's heads."""
+    out = run_example(monkeypatch, capsys, "--cpu", "--shards", "2")
+    assert out.count("2 shards, every shard bit-exact") == 2
     assert "every step matched" in out
 
 

@@ -16,8 +16,6 @@ from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.graph import kernels_path
 from gdfold_max.layout import RecordLayout
 
-DTYPES = ["float32", "bfloat16"]
-
 
 def run_verify(case: WindowCase, *, ours: bool, fold_on_load: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     verify = runner_for("cpu").verify_ring if ours else reference.verify_ring
@@ -28,8 +26,11 @@ def run_verify(case: WindowCase, *, ours: bool, fold_on_load: bool) -> tuple[np.
     return out, pool, ring
 
 
-@pytest.mark.parametrize("state_dtype", DTYPES)
-@pytest.mark.parametrize("fold_on_load", [False, True])
+# Each (op, dtype) is a graph to compile (about 26 s on two cores): fp32 runs every op,
+# bf16 the fold on load, whose store rounds the folded state and whose window reads it
+# back (the plain verify never writes the pool but for windows past RING_LEN).
+@pytest.mark.parametrize(("state_dtype", "fold_on_load"),
+                         [("float32", False), ("float32", True), ("bfloat16", True)])
 def test_verify_matches_reference(state_dtype: str, fold_on_load: bool) -> None:
     # Windows: full, empty, one token, past RING_LEN (that request commits), ...
     case = random_window_case(71, windows=[4, 0, 1, 6, 3], state_dtype=state_dtype, gate="channel")
@@ -67,9 +68,8 @@ def test_fold_on_load_equals_fold_then_verify() -> None:
         assert_bits_equal(a, b, name)
 
 
-@pytest.mark.parametrize("state_dtype", DTYPES)
-def test_verify_then_fold_equals_forward_over_accepted_tokens(state_dtype: str) -> None:
-    case = random_window_case(74, windows=[4, 4, 4], state_dtype=state_dtype, gate="channel")
+def test_verify_then_fold_equals_forward_over_accepted_tokens() -> None:
+    case = random_window_case(74, windows=[4, 4, 4], gate="channel")
     _, pool, ring = run_verify(case, ours=True, fold_on_load=False)
     accepted = np.array([4, 1, 2], np.uint32)
     folder_for("cpu").fold(pool, ring, case.row_ids[None], case.ring_row_ids[None], accepted, gate="channel")
@@ -83,9 +83,8 @@ def test_verify_then_fold_equals_forward_over_accepted_tokens(state_dtype: str) 
     assert_bits_equal(pool, forward_pool)
 
 
-@pytest.mark.parametrize("state_dtype", DTYPES)
-def test_forward_matches_reference(state_dtype: str) -> None:
-    case = random_window_case(75, windows=[7, 0, 1, 2], state_dtype=state_dtype, gate="channel")
+def test_forward_matches_reference() -> None:
+    case = random_window_case(75, windows=[7, 0, 1, 2], gate="channel")
     got_pool = case.state.copy()
     got = runner_for("cpu").recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
     want_pool = case.state.copy()

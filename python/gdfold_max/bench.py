@@ -69,7 +69,7 @@ class FoldGraphs(ChainedGraphs):
                 if variant == "gdfold":
                     state_fold(state.buffer, ring.buffer, row_ids.tensor, ring_row_ids.tensor, accepted.tensor,
                                key_dim_tile=self.tiling.get("key_dim_tile"),
-                               rows_per_thread=self.tiling.get("rows_per_thread"))
+                               rows_per_thread=self.tiling.get("rows_per_thread"), gate=s.gate)
                 else:
                     from max.nn.state_space import gated_delta_state_fold, verify_width_operand
 
@@ -87,7 +87,7 @@ def make_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DTy
     state = Buffer.zeros([rows, s.num_value_heads, s.key_dim, s.value_dim], state_dtype, device)
     one_ring_row = rng.uniform(-0.05, 0.05, (1, s.num_key_heads, s.ring_len, s.layout.min_stride)).astype(np.float32)
     decays = s.layout.decay_offset(0)
-    one_ring_row[..., decays : decays + s.layout.group_size] = 0.97
+    one_ring_row[..., decays : decays + s.layout.group_size * s.layout.decay_length] = 0.97
     ring = Buffer.from_numpy(np.ascontiguousarray(np.broadcast_to(one_ring_row, (rows, *one_ring_row.shape[1:]))))
     ids = np.arange(rows, dtype=np.uint32).reshape(s.num_layers, batch)
     accepted = np.full(batch, s.accepted, np.uint32)
@@ -130,7 +130,9 @@ def run_bench(
     tiling: Tiling = None,
     console: Console | None = None,
 ) -> list[BenchRow]:
-    """Measures ours and the anchor for every (dtype, batch) and returns the rows."""
+    """Measures ours and the anchor for every (dtype, batch) and returns the rows. MAX has
+    no fold for per-channel gates: with ``shape.gate == "channel"`` the anchor is always
+    the copy of the state (on a GPU, the device's own copy)."""
     shape = shape or FoldShape()
     console = console or Console()
     if device is None:
@@ -139,17 +141,22 @@ def run_bench(
     graphs = FoldGraphs(InferenceSession(devices=[device]), device, shape, chain, tiling)
     dtypes = list(dtypes)
     console.print("compiling the benchmark graphs ...")
-    graphs.compile_all(["gdfold", "max"] if on_gpu else ["gdfold"], dtypes)
+    with_max = on_gpu and shape.gate == "head"
+    graphs.compile_all(["gdfold", "max"] if with_max else ["gdfold"], dtypes)
     rows: list[BenchRow] = []
     for state_dtype, batch in sweep(dtypes, list(batches), console, "fold"):
         operands = make_operands(device, shape, batch, state_dtype)
         nbytes = shape.fold_bytes(batch, state_dtype)
         state_bytes = shape.state_bytes(batch, state_dtype)
         ours = graphs.per_link_seconds("gdfold", state_dtype, operands, repeats)
-        if on_gpu:
+        if with_max:
             anchor_name = "MAX gated_delta_state_fold"
             anchor = graphs.per_link_seconds("max", state_dtype, operands, repeats)
             copy_tb_s = device_copy_tb_s(device, state_bytes, repeats)
+        elif on_gpu:
+            anchor_name = "device copy of the state"
+            copy_tb_s = device_copy_tb_s(device, state_bytes, repeats)
+            anchor = 2 * state_bytes / (copy_tb_s * 1e12)
         else:
             anchor_name = "numpy copy of the state"
             copy_tb_s = numpy_copy_tb_s(state_bytes, repeats)

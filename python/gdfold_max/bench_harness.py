@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .layout import RecordLayout
+from .layout import Gate, RecordLayout, check_gate
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,22 @@ class FoldShape:
     value_dim: int = 128
     ring_len: int = 4
     accepted: int = 3
+    #: One decay per head (Gated DeltaNet) or per key channel (Kimi Delta Attention).
+    gate: Gate = "head"
 
     @property
     def layout(self) -> RecordLayout:
-        return RecordLayout(self.key_dim, self.value_dim, self.num_value_heads // self.num_key_heads)
+        return RecordLayout(self.key_dim, self.value_dim, self.num_value_heads // self.num_key_heads, self.gate)
+
+    @classmethod
+    def for_gate(cls, gate: Gate) -> FoldShape:
+        """The benchmarks' default model for a gate: Qwen3-Next-80B's 36 gated-delta layers
+        (``"head"``), or Kimi-Linear-48B's 20 KDA layers of 32 heads of 128 x 128
+        (``"channel"``)."""
+        check_gate(gate)
+        if gate == "head":
+            return cls()
+        return cls(num_layers=20, num_value_heads=32, num_key_heads=32, gate="channel")
 
     def state_bytes(self, batch: int, state_dtype: DType) -> int:
         """Bytes of state one pass over the batch's rows touches (every layer)."""

@@ -102,7 +102,7 @@ class StepGraphs(ChainedGraphs):
             BufferType(state_dtype, ["rows", s.num_value_heads, s.key_dim, s.value_dim], where),
             BufferType(f32, ["ring_rows", s.num_key_heads, s.ring_len, s.layout.min_stride], where),
             TensorType(f32, ["tokens", width], where),
-            TensorType(f32, ["tokens", s.num_value_heads], where),
+            TensorType(f32, ["tokens", s.num_value_heads] + ([s.key_dim] if s.gate == "channel" else []), where),
             TensorType(f32, ["tokens", s.num_value_heads], where),
             TensorType(u32, [s.num_layers, "batch"], where),
             TensorType(u32, [s.num_layers, "batch"], where),
@@ -144,7 +144,7 @@ class StepGraphs(ChainedGraphs):
             for layer in range(s.num_layers):
                 readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
                                       **self.tiling)
-            state_fold(pool, ring, rows, ring_rows, accepted)
+            state_fold(pool, ring, rows, ring_rows, accepted, gate=s.gate)
         elif variant == "forward":
             for layer in range(s.num_layers):
                 readout = recurrence(qkv, decay, beta, pool, rows[layer], offsets, **self.tiling)
@@ -174,7 +174,8 @@ def step_host_inputs(shape: FoldShape, batch: int, seed: int = 0) -> dict[str, n
     ids = np.arange(rows, dtype=np.uint32).reshape(s.num_layers, batch)
     return {
         "qkv": rng.standard_normal((tokens, width)).astype(np.float32),
-        "decay": rng.uniform(0.6, 1.0, (tokens, s.num_value_heads)).astype(np.float32),
+        "decay": rng.uniform(0.6, 1.0, (tokens, s.num_value_heads)
+                             + ((s.key_dim,) if s.gate == "channel" else ())).astype(np.float32),
         "beta": rng.uniform(0.0, 1.0, (tokens, s.num_value_heads)).astype(np.float32),
         "row_ids": ids,
         "ring_row_ids": ids,
@@ -220,9 +221,11 @@ def run_step_bench(
     device = device or Accelerator()
     on_gpu = device.label != "cpu"
     replay = replay and on_gpu
-    graph_variants = VARIANTS if on_gpu else tuple(v for v in VARIANTS if v != "max")
+    # MAX's verify and fold, and FLA's gated delta rule, take one decay per head only.
+    with_anchors = on_gpu and shape.gate == "head"
+    graph_variants = VARIANTS if with_anchors else tuple(v for v in VARIANTS if v != "max")
     fla: FlaSteps | None = None
-    if on_gpu and with_fla:
+    if with_anchors and with_fla:
         from .fla_anchor import FlaSteps, fla_missing
 
         missing = fla_missing()

@@ -25,6 +25,22 @@ class Target(StrEnum):
     gpu = "gpu"
 
 
+class GateName(StrEnum):
+    head = "head"
+    channel = "channel"
+
+
+GATE_HELP = ("head: one decay per head (Qwen3-Next-80B's 36 layers); channel: per-channel gates"
+             " (Kimi-Linear-48B's 20 KDA layers, 32 heads of 128; the CPU only, for now).")
+
+
+def _refuse_channel_on_gpu(gate: GateName, on_gpu: bool) -> None:
+    if gate == GateName.channel and on_gpu:
+        console.print("per-channel gates have no GPU path yet: --gate channel runs with --device cpu"
+                      " (or, for bench, on a machine without a GPU)")
+        raise typer.Exit(2)
+
+
 def _state_dtypes(dtypes: str) -> list[DType]:
     """The pool dtypes that ``--dtypes`` names, comma-separated; any other name is refused."""
     from max.dtype import DType
@@ -155,18 +171,21 @@ def bench(
     json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
         "bench-results.json"
     ),
+    gate: Annotated[GateName, typer.Option(help=GATE_HELP)] = GateName.head,
 ) -> None:
     """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
     from max.driver import accelerator_count
 
     from .bench import render, run_bench
-    from .bench_harness import write_json
+    from .bench_harness import FoldShape, write_json
 
     batch_list = [int(b) for b in batches.split(",")]
     if accelerator_count() == 0 and batches == "1,8,64,256":
         batch_list = [1, 8]
     dtype_list = _state_dtypes(dtypes)
-    rows = run_bench(batch_list, dtype_list, chain=chain, repeats=repeats, console=console)
+    _refuse_channel_on_gpu(gate, accelerator_count() > 0)
+    rows = run_bench(batch_list, dtype_list, chain=chain, repeats=repeats, console=console,
+                     shape=FoldShape.for_gate(gate.value))
     render(rows, console)
     write_json(rows, str(json_out))
     console.print(f"wrote {json_out}")
@@ -194,12 +213,14 @@ def bench_step(
     ),
     replay: Annotated[bool, typer.Option(
         help="GPU: time captured device graphs (as MAX's pipelines decode); --no-replay times execute().")] = True,
+    gate: Annotated[GateName, typer.Option(help=GATE_HELP)] = GateName.head,
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
 
-    from .bench_harness import write_json
+    from .bench_harness import FoldShape, write_json
     from .bench_step import render_steps, run_step_bench
+    from .window_graph import GPU_PATHS, WindowTiling
 
     dtype_list = _state_dtypes(dtypes)
     if device == Target.gpu and accelerator_count() == 0:
@@ -207,16 +228,15 @@ def bench_step(
                       " --device cpu times ours and ours fused alone")
         raise typer.Exit(2)
     batch_list = [int(b) for b in batches.split(",")]
-    from .window_graph import GPU_PATHS, WindowTiling
-
     if gpu_path not in GPU_PATHS:
         raise typer.BadParameter(f"{gpu_path!r} is not one of {', '.join(GPU_PATHS)}", param_hint="--gpu-path")
     tiling: WindowTiling = {"column_tile": column_tile, "requests_per_block": requests_per_block,
                             "gpu_path": gpu_path}
     if rounds < 1:
         raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
+    _refuse_channel_on_gpu(gate, device == Target.gpu)
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,
-                          console=console, replay=replay,
+                          console=console, replay=replay, shape=FoldShape.for_gate(gate.value),
                           device=CPU() if device == Target.cpu else None)
     render_steps(rows, console)
     write_json(rows, str(json_out))

@@ -26,10 +26,10 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from max.nn.comm import Signals
 
 from gdfold_max import reference
-from gdfold_max.cases import WindowCase, random_window_case
+from gdfold_max.cases import random_window_case
 from gdfold_max.eager_base import copy_back, host_buffer
 from gdfold_max.graph import kernels_path
-from gdfold_max.sharded import HeadShard, shard_heads, shard_pool, shard_ring, shard_window_inputs, verify_shards
+from gdfold_max.sharded import shard_heads, shard_pool, shard_ring, shard_window_case, verify_shards
 
 # A small model: 8 value heads over 4 key heads (G = 2), K = V = 32, RING_LEN 4.
 NUM_VALUE_HEADS, NUM_KEY_HEADS, K, V = 8, 4, 32, 32
@@ -90,7 +90,7 @@ def run(num_shards: int, steps: int, on_cpu: bool) -> bool:
         case = random_window_case(100 + step, windows=[4, 0, 1, 6, 3], num_value_heads=NUM_VALUE_HEADS,
                                   num_key_heads=NUM_KEY_HEADS, key_dim=K, value_dim=V)
         tables = {name: getattr(case, name) for name in TABLES}
-        operands = [list(shard_inputs(case, shard)) for shard in shards]
+        operands = [list(shard_window_case(case, shard)) for shard in shards]
         if model is None:
             graph, signals = build_graph(where, operands, tables)
             model = session.load(graph)
@@ -121,12 +121,6 @@ def run(num_shards: int, steps: int, on_cpu: bool) -> bool:
                                                         else f"{differing} elements differ"))
     print("every step matched" if all_matched else "MISMATCH")
     return all_matched
-
-
-def shard_inputs(case: WindowCase, shard: HeadShard) -> tuple[np.ndarray, ...]:
-    """The shard's qkv, decay, beta, pool and ring, cut from the whole model's."""
-    qkv, decay, beta = shard_window_inputs(*case.tokens(), shard, num_key_heads=NUM_KEY_HEADS, key_dim=K, value_dim=V)
-    return qkv, decay, beta, shard_pool(case.state, shard), shard_ring(case.ring, shard)
 
 
 def main() -> None:

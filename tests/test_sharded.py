@@ -21,11 +21,11 @@ from gdfold_max.cases import WindowCase, random_fold_case, random_window_case
 from gdfold_max.eager_base import host_buffer
 from gdfold_max.graph import kernels_path
 from gdfold_max.sharded import (
-    HeadShard,
     fold_shards,
     shard_heads,
     shard_pool,
     shard_ring,
+    shard_window_case,
     shard_window_inputs,
 )
 
@@ -38,11 +38,6 @@ def window_case() -> WindowCase:
     # nv 8, nk 4 (G = 2): two shards of 2 key heads and 4 value heads each.
     return random_window_case(81, windows=[4, 0, 1, 6, 3], num_value_heads=8, num_key_heads=4, key_dim=K,
                               value_dim=V)
-
-
-def shard_inputs(case: WindowCase, shard: HeadShard) -> tuple[np.ndarray, ...]:
-    tokens = shard_window_inputs(*case.tokens(), shard, num_key_heads=case.num_key_heads, key_dim=K, value_dim=V)
-    return (*tokens, shard_pool(case.state, shard), shard_ring(case.ring, shard))
 
 
 def test_shards_are_copies() -> None:
@@ -77,7 +72,7 @@ def test_each_shard_equals_the_unsharded_ops_on_its_heads(fold_on_load: bool) ->
     whole_pool, whole_ring = case.fresh()
     whole = reference.verify_ring(*case.tokens(), whole_pool, whole_ring, *tables, **previous)
     for shard in shard_heads(8, 4, 2):
-        qkv, decay, beta, pool, ring = shard_inputs(case, shard)
+        qkv, decay, beta, pool, ring = shard_window_case(case, shard)
         out = runner.verify_ring(qkv, decay, beta, pool, ring, *tables, **previous)
         columns = slice(shard.value_heads.start * V, shard.value_heads.stop * V)
         assert_bits_equal(out, whole[:, columns], f"shard {shard.index}: readout")

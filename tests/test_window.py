@@ -3,12 +3,10 @@ against each other, bit for bit, on the CPU and (marked ``gpu``) on the GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import pytest
 
-from conftest import WINDOW_TARGETS, assert_bits_equal
+from conftest import WINDOW_TARGETS, assert_bits_equal, verify_step
 from gdfold_max import reference
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.eager import folder_for
@@ -32,18 +30,6 @@ def device(target: tuple[str, str]) -> str:
 @pytest.fixture(scope="session")
 def runner(target: tuple[str, str]) -> WindowRunner:
     return runner_for(*target)
-
-
-def verify_step(verify: Callable[..., np.ndarray], case: WindowCase, *, fold_on_load: bool
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Readout, pool and ring after ``verify`` (ours or the reference) on fresh copies."""
-    state, ring = case.fresh()
-    previous = {}
-    if fold_on_load:
-        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
-                    "previous_num_accepted": case.previous_num_accepted}
-    out = verify(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets, **previous)
-    return out, state, ring
 
 
 def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], what: str) -> None:

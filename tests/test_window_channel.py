@@ -10,7 +10,7 @@ import pytest
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from conftest import assert_bits_equal
+from conftest import assert_bits_equal, verify_step
 from gdfold_max import folder_for, reference, runner_for, verify_ring
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.graph import kernels_path
@@ -18,12 +18,8 @@ from gdfold_max.layout import RecordLayout
 
 
 def run_verify(case: WindowCase, *, ours: bool, fold_on_load: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    verify = runner_for("cpu").verify_ring if ours else reference.verify_ring
-    pool, ring = case.fresh()
-    previous = ({"previous_ring_row_ids": case.previous_ring_row_ids,
-                 "previous_num_accepted": case.previous_num_accepted} if fold_on_load else {})
-    out = verify(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets, **previous)
-    return out, pool, ring
+    return verify_step(runner_for("cpu").verify_ring if ours else reference.verify_ring, case,
+                       fold_on_load=fold_on_load)
 
 
 # Each (op, dtype) is a graph to compile (about 26 s on two cores): fp32 runs every op,

@@ -13,7 +13,7 @@ from std.utils import IndexList
 
 from .fold_cpu import fold_cpu
 from .fold_gpu import RECORD_VEC, fold_block_threads, fold_gpu_kernel
-from .operand_checks import check_ids, check_pool_and_ring
+from .operand_checks import check_channel_record_stride, check_ids, check_pool_and_ring
 
 
 def check_shapes[
@@ -46,6 +46,77 @@ def check_shapes[
         )
 
 
+def run_fold[
+    target: StaticString,
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    KEY_DIM_TILE: Int,
+    ROWS_PER_THREAD: Int,
+    CHANNEL: Bool,
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    state_dims: IndexList[4],
+    ring: Pointer[Float32, MutAnyOrigin],
+    ring_dims: IndexList[4],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    row_ids_dims: IndexList[2],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids_dims: IndexList[2],
+    num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    num_accepted_len: Int,
+    ctx: DeviceContext,
+) raises:
+    """Checks every operand, then folds on the CPU or the GPU. `CHANNEL`: per-channel
+    records (K decays per value head), whose stride is checked too."""
+    comptime assert (
+        state_dtype == DType.float32 or state_dtype == DType.bfloat16
+    ), "recurrent_state must be float32 or bfloat16"
+    check_shapes[K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD](
+        state_dims, ring_dims, row_ids_dims, ring_row_ids_dims, num_accepted_len
+    )
+    var num_value_heads = state_dims[1]
+    var num_key_heads = ring_dims[1]
+    var record_stride = ring_dims[3]
+    comptime if CHANNEL:
+        check_channel_record_stride[K, V](num_value_heads, num_key_heads, record_stride)
+    var num_layers = row_ids_dims[0]
+    var batch = row_ids_dims[1]
+    if num_layers * batch == 0:
+        return
+    var num_rows = state_dims[0]
+    var num_ring_rows = ring_dims[0]
+    comptime if target == "cpu":
+        check_ids(row_ids, num_layers * batch, num_rows, "row_ids")
+        check_ids(ring_row_ids, num_layers * batch, num_ring_rows, "ring_row_ids")
+        fold_cpu[state_dtype, K, V, RING_LEN, CHANNEL](
+            state, ring, row_ids, ring_row_ids, num_accepted, num_layers, batch,
+            num_value_heads, num_key_heads, record_stride,
+        )
+    elif target == "gpu":
+        comptime kernel = fold_gpu_kernel[
+            state_dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, CHANNEL
+        ]
+        ctx.enqueue_function[kernel](
+            state,
+            ring,
+            row_ids,
+            ring_row_ids,
+            num_accepted,
+            Int32(batch),
+            Int32(num_rows),
+            Int32(num_ring_rows),
+            Int32(num_value_heads),
+            Int32(num_key_heads),
+            Int32(record_stride),
+            grid_dim=(num_value_heads * (K // KEY_DIM_TILE), batch, num_layers),
+            block_dim=fold_block_threads[state_dtype, V, KEY_DIM_TILE, ROWS_PER_THREAD](),
+        )
+    else:
+        raise Error(t"gdfold_state_fold: unsupported target {target}")
+
+
 @extensibility.register("gdfold_state_fold")
 struct StateFold:
     """Advances the live state pool over the accepted records of every (layer, request).
@@ -67,68 +138,13 @@ struct StateFold:
         num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        comptime assert (
-            state_dtype == DType.float32 or state_dtype == DType.bfloat16
-        ), "recurrent_state must be float32 or bfloat16"
-        check_shapes[K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD](
-            recurrent_state.shape(),
-            ring.shape(),
-            row_ids.shape(),
-            ring_row_ids.shape(),
-            num_accepted.dim_size(0),
+        run_fold[
+            target, recurrent_state.dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, False
+        ](
+            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
+            ring.unsafe_ptr(), ring.shape(),
+            row_ids.unsafe_ptr(), row_ids.shape(),
+            ring_row_ids.unsafe_ptr(), ring_row_ids.shape(),
+            num_accepted.unsafe_ptr(), num_accepted.dim_size(0),
+            ctx,
         )
-        var num_layers = row_ids.dim_size(0)
-        var batch = row_ids.dim_size(1)
-        if num_layers * batch == 0:
-            return
-        var num_rows = recurrent_state.dim_size(0)
-        var num_ring_rows = ring.dim_size(0)
-        var num_value_heads = recurrent_state.dim_size(1)
-        var num_key_heads = ring.dim_size(1)
-        var record_stride = ring.dim_size(3)
-        comptime if target == "cpu":
-            check_ids(
-                row_ids.unsafe_ptr(), num_layers * batch, num_rows, "row_ids"
-            )
-            check_ids(
-                ring_row_ids.unsafe_ptr(),
-                num_layers * batch,
-                num_ring_rows,
-                "ring_row_ids",
-            )
-            fold_cpu[state_dtype, K, V, RING_LEN](
-                recurrent_state.unsafe_ptr(),
-                ring.unsafe_ptr(),
-                row_ids.unsafe_ptr(),
-                ring_row_ids.unsafe_ptr(),
-                num_accepted.unsafe_ptr(),
-                num_layers,
-                batch,
-                num_value_heads,
-                num_key_heads,
-                record_stride,
-            )
-        elif target == "gpu":
-            comptime kernel = fold_gpu_kernel[
-                state_dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD
-            ]
-            ctx.enqueue_function[kernel](
-                recurrent_state.unsafe_ptr(),
-                ring.unsafe_ptr(),
-                row_ids.unsafe_ptr(),
-                ring_row_ids.unsafe_ptr(),
-                num_accepted.unsafe_ptr(),
-                Int32(batch),
-                Int32(num_rows),
-                Int32(num_ring_rows),
-                Int32(num_value_heads),
-                Int32(num_key_heads),
-                Int32(record_stride),
-                grid_dim=(num_value_heads * (K // KEY_DIM_TILE), batch, num_layers),
-                block_dim=fold_block_threads[
-                    state_dtype, V, KEY_DIM_TILE, ROWS_PER_THREAD
-                ](),
-            )
-        else:
-            raise Error(t"gdfold_state_fold: unsupported target {target}")

@@ -7,6 +7,9 @@ all its state loads, then the block stages the accepted records' slices (keys of
 tile, the head's delta rows and decays) in shared memory once, with 16-byte loads
 unrolled at compile time so none waits on another. Then each thread applies the
 records in order and stores each vector once.
+
+With `CHANNEL` (per-channel gates) a record holds K decays per value head; the block
+stages the tile's KEY_DIM_TILE of them, and row i of the tile decays by its own.
 """
 
 from max.gpu import barrier, block_idx, thread_idx
@@ -14,7 +17,7 @@ from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 
-from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
+from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 
 # Floats per 16-byte record load. Record strides and K, V are multiples of 4 floats.
 comptime RECORD_VEC = 4
@@ -72,6 +75,7 @@ def fold_gpu_kernel[
     RING_LEN: Int,
     KEY_DIM_TILE: Int,
     ROWS_PER_THREAD: Int,
+    CHANNEL: Bool = False,
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, ImmutAnyOrigin],
@@ -144,8 +148,10 @@ def fold_gpu_kernel[
         alignment=16,
         address_space=AddressSpace.SHARED,
     ]()
+    # One decay per record, or (per-channel gates) the tile's KEY_DIM_TILE of them.
+    comptime DECAYS = KEY_DIM_TILE if CHANNEL else 1
     var decays = stack_allocation[
-        RING_LEN, DType.float32, address_space=AddressSpace.SHARED
+        RING_LEN * DECAYS, DType.float32, alignment=16, address_space=AddressSpace.SHARED
     ]()
     stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS](
         keys, ring, record_base, record_stride, key_offset() + tile_base,
@@ -155,21 +161,27 @@ def fold_gpu_kernel[
         deltas, ring, record_base, record_stride, delta_offset[K, V](group_slot),
         V, accepted, tid,
     )
-    if tid < accepted:
-        decays[unsafe_offset=tid] = ring[unsafe_offset=
-            record_base + tid * record_stride
-            + decay_offset[K, V](group_size, group_slot)
-        ]
+    comptime if CHANNEL:
+        stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS](
+            decays, ring, record_base, record_stride,
+            channel_decay_offset[K, V](group_size, group_slot) + tile_base,
+            KEY_DIM_TILE, accepted, tid,
+        )
+    else:
+        if tid < accepted:
+            decays[unsafe_offset=tid] = ring[unsafe_offset=
+                record_base + tid * record_stride
+                + decay_offset[K, V](group_size, group_slot)
+            ]
     barrier()
 
     # 3. Apply the records in order, in registers: decay (rounded), then one fma.
     for t in range(accepted):
-        var decay = decays[unsafe_offset=t]
         var delta = deltas.unsafe_load[width=VEC, alignment=16](t * V + column)
         comptime for m in range(ROWS_PER_THREAD):
-            var key = keys[
-                unsafe_offset=t * KEY_DIM_TILE + row_group + m * ROW_THREADS
-            ]
+            var tile_row = row_group + m * ROW_THREADS
+            var key = keys[unsafe_offset=t * KEY_DIM_TILE + tile_row]
+            var decay = decays[unsafe_offset=t * DECAYS + (tile_row if CHANNEL else 0)]
             held[m] = fma(SIMD[DType.float32, VEC](key), delta, held[m] * decay)
 
     # 4. Store each vector once, rounded to the pool's dtype.

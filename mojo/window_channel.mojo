@@ -4,8 +4,8 @@
 
 They are the head-gate ops with a decay of shape [T, nv, K], K decays per token and
 value head, state row i decaying by the i-th; the records hold the K decays of each
-value head of the group. The CPU path only, for now: on a GPU they raise before they
-launch anything (and the graph API refuses such a graph when it is built).
+value head of the group. On the GPU they run the latency kernel
+(window_gpu_latency.mojo), one warp per request on a column slab, at every batch.
 """
 
 import extensibility
@@ -13,10 +13,10 @@ from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.utils import IndexList
 
-from .window_launch import GPU_PATH_AUTO, run_windows
+from .window_launch import GPU_PATH_LATENCY, run_windows
 
-# The GPU tiling parameters run_windows checks at compile time; no GPU kernel runs
-# with per-channel gates yet.
+# The throughput kernel's tiling, which run_windows checks at compile time; per-channel
+# gates never run that kernel.
 comptime UNUSED_COLUMN_TILE = 8
 comptime UNUSED_REQUESTS_PER_BLOCK = 0
 
@@ -50,7 +50,7 @@ struct VerifyRingChannel:
         check_pool_dtype[state_dtype]()
         run_windows[
             target, state_dtype, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_AUTO, True, False, True,
+            GPU_PATH_LATENCY, True, False, True,
         ](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
@@ -92,7 +92,7 @@ struct VerifyRingFoldOnLoadChannel:
         check_pool_dtype[state_dtype]()
         run_windows[
             target, state_dtype, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_AUTO, True, True, True,
+            GPU_PATH_LATENCY, True, True, True,
         ](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),
@@ -132,7 +132,7 @@ struct RecurrenceChannel:
         # the kernels never touch when recording is off (as gdfold_recurrence does).
         run_windows[
             target, state_dtype, K, V, 1, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_AUTO, False, False, True,
+            GPU_PATH_LATENCY, False, False, True,
         ](
             readout.unsafe_ptr(), readout.shape(),
             recurrent_state.unsafe_ptr(), recurrent_state.shape(),

@@ -21,6 +21,11 @@ lane (key rows p, p + 8, ...) of COLUMN_VECTOR neighbouring columns, each sum ov
 one fma chain per column in the thread and three butterfly steps across the column's
 eight lanes, in the fixed order of recurrence_math.mojo. So both kernels produce the
 same bits, and the op picks between them at run time (window_launch.mojo).
+
+With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
+value head and a record holds them (record_layout.channel_decay_offset); they are
+staged like the keys and read by the same lanes, so that state row i decays by the
+i-th. Per-channel gates run on this kernel alone.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
@@ -32,7 +37,7 @@ from std.sys import size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
-from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
+from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
 from .window_gpu import column_slot, column_sum, gather_columns
 from .window_gpu_staging import (
@@ -114,6 +119,7 @@ def windows_gpu_latency_kernel[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     CV: Int,
+    CHANNEL: Bool = False,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -202,7 +208,10 @@ def windows_gpu_latency_kernel[
     var scalars = shared_floats[CHUNK * TOKEN_SCALARS]()
     var record_keys = shared_floats[(CHUNK * NATURAL if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
     var record_deltas = shared_floats[(CHUNK * SLAB if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
-    var record_decays = shared_floats[CHUNK + COPY_FLOATS]()
+    # A decay per record, or (per-channel gates) K of them; the tokens' K decays too.
+    comptime DECAYS = K if CHANNEL else 1
+    var record_decays = shared_floats[CHUNK * DECAYS + COPY_FLOATS]()
+    var token_decays = shared_floats[(CHUNK * K if CHANNEL else 0) + COPY_FLOATS]()
     var slab_start = slab * SLAB
 
     @always_inline
@@ -221,10 +230,15 @@ def windows_gpu_latency_kernel[
             qkv_width, count, tid,
         )
         var at = first * num_value_heads + value_head
-        copy_scalars_async(
-            scalars.unsafe_offset(DECAY_AT), decay, at, num_value_heads, count, tid,
-            TOKEN_SCALARS,
-        )
+        comptime if CHANNEL:
+            copy_rows_async[K, CHUNK, WARP_THREADS](
+                token_decays, decay, at * K, num_value_heads * K, count, tid
+            )
+        else:
+            copy_scalars_async(
+                scalars.unsafe_offset(DECAY_AT), decay, at, num_value_heads, count, tid,
+                TOKEN_SCALARS,
+            )
         copy_scalars_async(
             scalars.unsafe_offset(BETA_AT), beta, at, num_value_heads, count, tid,
             TOKEN_SCALARS,
@@ -242,10 +256,16 @@ def windows_gpu_latency_kernel[
             record_deltas, ring, base + delta_offset[K, V](group_slot) + slab_start,
             record_stride, count, tid,
         )
-        copy_scalars_async(
-            record_decays, ring, base + decay_offset[K, V](group_size, group_slot),
-            record_stride, count, tid,
-        )
+        comptime if CHANNEL:
+            copy_rows_async[K, CHUNK, WARP_THREADS](
+                record_decays, ring, base + channel_decay_offset[K, V](group_size, group_slot),
+                record_stride, count, tid,
+            )
+        else:
+            copy_scalars_async(
+                record_decays, ring, base + decay_offset[K, V](group_size, group_slot),
+                record_stride, count, tid,
+            )
 
     # Lane p's elements p, p + 8, ... of the K-vector at `at` of a staged buffer.
     @always_inline
@@ -254,6 +274,23 @@ def windows_gpu_latency_kernel[
         comptime for m in range(ROWS):
             x[m] = buffer[unsafe_offset=at + m * REDUCTION_LANES + lane]
         return x^
+
+    # The decays of entry `t` of a staged buffer for this lane's rows: one for every
+    # row, or (per-channel gates) row m * 8 + lane's own.
+    @always_inline
+    def lane_decays(buffer: SharedFloats, t: Int) {imm} -> Array[Float32, ROWS]:
+        comptime if CHANNEL:
+            return lane_values(buffer, t * K)
+        else:
+            return Array[Float32, ROWS](fill=buffer[unsafe_offset=t])
+
+    # Token c's decays for this lane's rows, as lane_decays.
+    @always_inline
+    def token_lane_decays(c: Int) {imm} -> Array[Float32, ROWS]:
+        comptime if CHANNEL:
+            return lane_values(token_decays, c * K)
+        else:
+            return Array[Float32, ROWS](fill=scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT])
 
     # 1. Everything the unit needs first is in flight at once.
     var state_rows = state.unsafe_offset(
@@ -293,13 +330,13 @@ def windows_gpu_latency_kernel[
                     async_copy_wait_all()
                     syncwarp()
                 for t in range(count):
-                    var d = record_decays[unsafe_offset=t]
+                    var d = lane_decays(record_decays, t)
                     var u = record_deltas.unsafe_load[width=CV, alignment=CV * 4](
                         t * SLAB + group_column
                     )
                     var k = lane_values(record_keys, t * NATURAL)
                     comptime for m in range(ROWS):
-                        held[m] = fma(Columns(k[m]), u, held[m] * d)
+                        held[m] = fma(Columns(k[m]), u, held[m] * d[m])
             # What a separate fold leaves in the pool, and what the window reads back.
             comptime for m in range(ROWS):
                 held[m] = held[m].cast[state_dtype]().cast[DType.float32]()
@@ -335,14 +372,14 @@ def windows_gpu_latency_kernel[
         comptime for c in range(CHUNK):
             if c < count:
                 var token = chunk_start + c
-                var d = scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT]
+                var d = token_lane_decays(c)
                 var b = scalars[unsafe_offset=c * TOKEN_SCALARS + BETA_AT]
                 var inv_k = inverse_key_norms[c]
                 var k = lane_values(pairs, (2 * c + 1) * NATURAL)
                 # kv = S^T k on the decayed state.
                 var partial = Columns(0.0)
                 comptime for m in range(ROWS):
-                    held[m] = held[m] * d
+                    held[m] = held[m] * d[m]
                     partial = fma(held[m], Columns(k[m]), partial)
                 var kv = slab_column_sum[CV](partial, lane)
                 var v = values[unsafe_offset=c * SLAB + group_column + slot]
@@ -365,13 +402,25 @@ def windows_gpu_latency_kernel[
             if records:
                 # The raw keys (once per key head) and the decays (once per value head).
                 var first = (record_row_base + chunk_start - start) * record_stride
+                comptime KEY_VECTORS = K // COPY_FLOATS
                 if slab == 0:
-                    if tid < count:
-                        ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
-                            group_size, group_slot
-                        )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
+                    comptime if CHANNEL:
+                        for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
+                            var c = i // KEY_VECTORS
+                            var at = (i % KEY_VECTORS) * COPY_FLOATS
+                            ring.unsafe_store[alignment=16](
+                                first + c * record_stride
+                                + channel_decay_offset[K, V](group_size, group_slot) + at,
+                                token_decays.unsafe_load[width=COPY_FLOATS, alignment=16](
+                                    c * K + at
+                                ),
+                            )
+                    else:
+                        if tid < count:
+                            ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
+                                group_size, group_slot
+                            )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
                     if group_slot == 0:
-                        comptime KEY_VECTORS = K // COPY_FLOATS
                         for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
                             var c = i // KEY_VECTORS
                             var at = (i % KEY_VECTORS) * COPY_FLOATS

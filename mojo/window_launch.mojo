@@ -196,7 +196,8 @@ def run_windows[
     """Checks every operand, then runs each request's window (see window_cpu/gpu).
 
     `decay_dims` is [T, nv, 1] for a decay per head ([T, nv]), [T, nv, K] with `CHANNEL`
-    (per-channel gates: the CPU path only, for now)."""
+    (per-channel gates, which run on the GPU's latency kernel whatever GPU_PATH says:
+    the throughput kernel has no per-channel decays)."""
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
     # time, and its blocks (two threads per column) are whole warps or one warp at most.
@@ -256,11 +257,6 @@ def run_windows[
             "previous_num_accepted", previous_accepted_len, batch, "the batch of row_ids"
         )
     comptime if target == "gpu":
-        comptime if CHANNEL:
-            raise Error(
-                "gdfold verify and forward: per-channel gates have no GPU path yet; run the"
-                " op on the CPU"
-            )
         check_window_gpu(ctx)
     if batch == 0 or num_value_heads == 0:
         return
@@ -283,12 +279,15 @@ def run_windows[
             previous_ring_row_ids, previous_accepted, batch, num_value_heads,
             num_key_heads, record_stride,
         )
-    elif target == "gpu" and not CHANNEL:
+    elif target == "gpu":
+        comptime assert not (CHANNEL and GPU_PATH == GPU_PATH_THROUGHPUT), (
+            "per-channel gates run on the latency kernel only"
+        )
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        if uses_latency_kernel[GPU_PATH](latency_units, ctx):
+        if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, ctx):
             comptime latency_kernel = windows_gpu_latency_kernel[
-                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV
+                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
             ]
             ctx.enqueue_function[latency_kernel](
                 readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,

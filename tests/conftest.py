@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from max.driver import accelerator_count
 
-from gdfold_max import StateFolder, folder_for
+from gdfold_max import StateFolder, folder_for, reference
 from gdfold_max.cases import FoldCase, WindowCase
 
 CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -75,3 +75,26 @@ def verify_step(verify: Callable[..., np.ndarray], case: WindowCase, *, fold_on_
                     "previous_num_accepted": case.previous_num_accepted}
     out = verify(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets, **previous)
     return out, state, ring
+
+
+def float64_channel_forward(qkv: np.ndarray, decay: np.ndarray, beta: np.ndarray, state: np.ndarray,
+                    num_key_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """The per-channel recurrence of one request (state ``[nv, K, V]``) in float64, in numpy's
+    own order: readout ``[T, nv*V]`` and final state."""
+    nv, kd, vd = state.shape
+    g = nv // num_key_heads
+    s = state.astype(np.float64)
+    out = []
+    for t in range(qkv.shape[0]):
+        row = qkv[t].astype(np.float64)
+        q = np.repeat(row[: num_key_heads * kd].reshape(num_key_heads, kd), g, axis=0)
+        k = np.repeat(row[num_key_heads * kd : 2 * num_key_heads * kd].reshape(num_key_heads, kd), g, axis=0)
+        v = row[2 * num_key_heads * kd :].reshape(nv, vd)
+        s = s * decay[t].astype(np.float64)[:, :, None]
+        k_hat = k / np.sqrt((k * k).sum(1, keepdims=True) + reference.L2_EPS)
+        q_hat = q / np.sqrt((q * q).sum(1, keepdims=True) + reference.L2_EPS) / np.sqrt(kd)
+        kv = np.einsum("hij,hi->hj", s, k_hat)
+        u = beta[t].astype(np.float64)[:, None] * (v - kv)
+        s = s + k_hat[:, :, None] * u[:, None, :]
+        out.append(np.einsum("hij,hi->hj", s, q_hat).reshape(-1))
+    return np.stack(out), s

@@ -100,15 +100,6 @@ def test_bench_step_refuses_an_unknown_gpu_path() -> None:
     assert "--gpu-path" in result.output and "fast" in result.output
 
 
-def test_bench_refuses_per_channel_gates_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import max.driver
-
-    monkeypatch.setattr(max.driver, "accelerator_count", lambda: 1)
-    result = runner.invoke(app, ["bench", "--gate", "channel", "--batches", "1"])
-    assert result.exit_code == 2, result.output
-    assert "per-channel gates have no GPU path yet" in result.output
-
-
 def test_benchmark_shapes_per_gate() -> None:
     from gdfold_max.bench_harness import FoldShape
 

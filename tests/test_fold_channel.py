@@ -1,38 +1,42 @@
-"""The fold with per-channel gates (Kimi Delta Attention) on the CPU: each record holds K
-decays per value head, ``S[i, j] = fma(k[i], u[j], S[i, j] * d[i])``. Bit for bit against
-the numpy reference and against the forward over the accepted tokens; bad input refused
-with nothing written; a GPU graph refused when it is built (no GPU path yet)."""
+"""The fold with per-channel gates (Kimi Delta Attention) on the CPU and the GPU: each
+record holds K decays per value head, ``S[i, j] = fma(k[i], u[j], S[i, j] * d[i])``. Bit
+for bit against the numpy reference and against the forward over the accepted tokens;
+bad input refused with nothing written."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from max.driver import Buffer
-from max.dtype import DType
-from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from conftest import assert_bits_equal
-from gdfold_max import StateFolder, fold, kernels_path, state_fold
+from gdfold_max import StateFolder, folder_for
 from gdfold_max.cases import random_fold_case, spec_decode_case
 from gdfold_max.eager import validate_fold
 from gdfold_max.layout import RecordLayout
 
 
+@pytest.fixture(scope="module", params=[pytest.param("cpu", id="cpu"),
+                                        pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)])
+def folder(request: pytest.FixtureRequest) -> StateFolder:
+    return folder_for(str(request.param))
+
+
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-def test_channel_fold_matches_the_reference(cpu_folder: StateFolder, state_dtype: str) -> None:
+def test_channel_fold_matches_the_reference(folder: StateFolder, state_dtype: str) -> None:
     """Counts of 0, 1, a full ring and past the ring; G = 2, padding past the records."""
     case = random_fold_case(71, layers=3, batch=4, state_dtype=state_dtype, gate="channel", stride_pad=32)
     state = case.state_in.copy()
-    cpu_folder.fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, gate="channel")
+    folder.fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, gate="channel")
     assert_bits_equal(state, case.state_out)
     assert not np.array_equal(state, case.state_in)
 
 
-def test_channel_fold_of_a_verify_equals_the_forward_over_accepted_tokens() -> None:
+def test_channel_fold_of_a_verify_equals_the_forward_over_accepted_tokens(folder: StateFolder) -> None:
     case = spec_decode_case(72, layers=2, batch=4, num_value_heads=6, num_key_heads=2, num_accepted=[4, 0, 1, 3],
                             gate="channel")
     state = case.state_in.copy()
-    fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, gate="channel")
+    folder.fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, gate="channel")
     assert_bits_equal(state, case.state_out)
 
 
@@ -59,14 +63,3 @@ def test_unknown_gate_is_refused(cpu_folder: StateFolder) -> None:
     with pytest.raises(ValueError, match="gate: 'row' is not 'head' or 'channel'"):
         cpu_folder.fold(case.state_in.copy(), case.ring, case.row_ids, case.ring_row_ids, case.num_accepted,
                         gate="row")  # type: ignore[arg-type]
-
-
-def test_a_gpu_graph_with_per_channel_gates_is_refused_at_build() -> None:
-    gpu = DeviceRef.GPU()
-    inputs = [BufferType(DType.float32, ["rows", 4, 64, 64], gpu), BufferType(DType.float32, ["rr", 2, 4, 320], gpu),
-              TensorType(DType.uint32, ["L", "B"], gpu), TensorType(DType.uint32, ["L", "B"], gpu),
-              TensorType(DType.uint32, ["B"], gpu)]
-    with pytest.raises(ValueError, match=r"gate: per-channel gates \('channel'\) have no GPU fold yet"), \
-            Graph("channel_gpu", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
-        pool, ring, *tables = graph.inputs
-        state_fold(pool.buffer, ring.buffer, *(t.tensor for t in tables), gate="channel")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_bits_equal
+from conftest import assert_bits_equal, float64_channel_forward
 from gdfold_max import reference
 from gdfold_max.cases import random_fold_case, random_window_case, spec_decode_case
 from gdfold_max.layout import RecordLayout
@@ -81,28 +81,6 @@ def test_equal_channel_decays_give_the_head_gate_s_bits() -> None:
     assert_bits_equal(channel_state, fold_case.state_out)
 
 
-def float64_forward(qkv: np.ndarray, decay: np.ndarray, beta: np.ndarray, state: np.ndarray,
-                    num_key_heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """The per-channel recurrence of one request in float64, in numpy's own order."""
-    nv, kd, vd = state.shape
-    g = nv // num_key_heads
-    s = state.astype(np.float64)
-    out = []
-    for t in range(qkv.shape[0]):
-        row = qkv[t].astype(np.float64)
-        q = np.repeat(row[: num_key_heads * kd].reshape(num_key_heads, kd), g, axis=0)
-        k = np.repeat(row[num_key_heads * kd : 2 * num_key_heads * kd].reshape(num_key_heads, kd), g, axis=0)
-        v = row[2 * num_key_heads * kd :].reshape(nv, vd)
-        s = s * decay[t].astype(np.float64)[:, :, None]
-        k_hat = k / np.sqrt((k * k).sum(1, keepdims=True) + reference.L2_EPS)
-        q_hat = q / np.sqrt((q * q).sum(1, keepdims=True) + reference.L2_EPS) / np.sqrt(kd)
-        kv = np.einsum("hij,hi->hj", s, k_hat)
-        u = beta[t].astype(np.float64)[:, None] * (v - kv)
-        s = s + k_hat[:, :, None] * u[:, None, :]
-        out.append(np.einsum("hij,hi->hj", s, q_hat).reshape(-1))
-    return np.stack(out), s
-
-
 def test_forward_agrees_with_a_float64_recurrence() -> None:
     """Tolerance, not bits: float64 rounds differently (and sums in numpy's order); the
     fp32 recurrence over 9 tokens stays within a few fp32 ulps of the largest value."""
@@ -111,6 +89,6 @@ def test_forward_agrees_with_a_float64_recurrence() -> None:
     readout = reference.recurrence_fwd(*case.tokens(), pool, case.row_ids, case.input_row_offsets,
                                        num_key_heads=case.num_key_heads)
     row = int(case.row_ids[0])
-    want_out, want_state = float64_forward(case.qkv, case.decay, case.beta, case.state[row], case.num_key_heads)
+    want_out, want_state = float64_channel_forward(case.qkv, case.decay, case.beta, case.state[row], case.num_key_heads)
     assert np.max(np.abs(readout - want_out)) <= 2e-6 * np.max(np.abs(want_out))
     assert np.max(np.abs(pool[row] - want_state)) <= 2e-6 * np.max(np.abs(want_state))

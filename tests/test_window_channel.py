@@ -1,7 +1,8 @@
 """The verify, the verify with fold on load and the forward with per-channel gates
-(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU, bit for bit against the numpy
-reference and against each other; bad input refused before anything is written; a GPU
-graph refused when it is built."""
+(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and the GPU (whose latency
+kernel runs them), bit for bit against the numpy reference and against each other;
+bad input refused before anything is written; the GPU's throughput kernel, which has no
+per-channel decays, refused when a graph forces it."""
 
 from __future__ import annotations
 
@@ -11,14 +12,35 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from conftest import assert_bits_equal, verify_step
-from gdfold_max import folder_for, reference, runner_for, verify_ring
+from gdfold_max import StateFolder, folder_for, reference, runner_for, verify_ring
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.graph import kernels_path
 from gdfold_max.layout import RecordLayout
+from gdfold_max.window_eager import WindowRunner
+
+#: Where the per-channel ops run: the CPU, and the GPU ("auto" runs the latency kernel).
+CHANNEL_TARGETS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
 
-def run_verify(case: WindowCase, *, ours: bool, fold_on_load: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return verify_step(runner_for("cpu").verify_ring if ours else reference.verify_ring, case,
+@pytest.fixture(scope="module", params=CHANNEL_TARGETS)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def runner(device: str) -> WindowRunner:
+    return runner_for(device)
+
+
+@pytest.fixture(scope="module")
+def folder(device: str) -> StateFolder:
+    return folder_for(device)
+
+
+def run_verify(case: WindowCase, runner: WindowRunner | None, *, fold_on_load: bool
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ours on ``runner``, or (None) the numpy reference."""
+    return verify_step(runner.verify_ring if runner is not None else reference.verify_ring, case,
                        fold_on_load=fold_on_load)
 
 
@@ -27,19 +49,19 @@ def run_verify(case: WindowCase, *, ours: bool, fold_on_load: bool) -> tuple[np.
 # back (the plain verify never writes the pool but for windows past RING_LEN).
 @pytest.mark.parametrize(("state_dtype", "fold_on_load"),
                          [("float32", False), ("float32", True), ("bfloat16", True)])
-def test_verify_matches_reference(state_dtype: str, fold_on_load: bool) -> None:
+def test_verify_matches_reference(runner: WindowRunner, state_dtype: str, fold_on_load: bool) -> None:
     # Windows: full, empty, one token, past RING_LEN (that request commits), ...
     case = random_window_case(71, windows=[4, 0, 1, 6, 3], state_dtype=state_dtype, gate="channel")
     assert case.decay.shape[-1] == case.state.shape[2]
-    got = run_verify(case, ours=True, fold_on_load=fold_on_load)
-    want = run_verify(case, ours=False, fold_on_load=fold_on_load)
+    got = run_verify(case, runner, fold_on_load=fold_on_load)
+    want = run_verify(case, None, fold_on_load=fold_on_load)
     for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
         assert_bits_equal(a, b, name)
 
 
-def test_records_hold_k_decays_per_value_head() -> None:
+def test_records_hold_k_decays_per_value_head(runner: WindowRunner) -> None:
     case = random_window_case(72, windows=[3, 2], gate="channel")
-    _, _, ring = run_verify(case, ours=True, fold_on_load=False)
+    _, _, ring = run_verify(case, runner, fold_on_load=False)
     _, nv, k, v = case.state.shape
     layout = RecordLayout(k, v, nv // case.num_key_heads, "channel")
     first = int(case.input_row_offsets[0])
@@ -52,37 +74,38 @@ def test_records_hold_k_decays_per_value_head() -> None:
                               f"token {t}, value head {vh}: decays")
 
 
-def test_fold_on_load_equals_fold_then_verify() -> None:
+def test_fold_on_load_equals_fold_then_verify(runner: WindowRunner, folder: StateFolder) -> None:
     case = random_window_case(73, gate="channel")
-    fused = run_verify(case, ours=True, fold_on_load=True)
+    fused = run_verify(case, runner, fold_on_load=True)
     pool, ring = case.fresh()
-    folder_for("cpu").fold(pool, ring, case.row_ids[None], case.previous_ring_row_ids[None],
-                           case.previous_num_accepted, gate="channel")
-    plain = runner_for("cpu").verify_ring(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids,
+    folder.fold(pool, ring, case.row_ids[None], case.previous_ring_row_ids[None], case.previous_num_accepted,
+                gate="channel")
+    plain = runner.verify_ring(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids,
                                           case.input_row_offsets)
     for name, a, b in zip(("readout", "pool", "ring"), fused, (plain, pool, ring), strict=True):
         assert_bits_equal(a, b, name)
 
 
-def test_verify_then_fold_equals_forward_over_accepted_tokens() -> None:
+def test_verify_then_fold_equals_forward_over_accepted_tokens(runner: WindowRunner, folder: StateFolder) -> None:
     case = random_window_case(74, windows=[4, 4, 4], gate="channel")
-    _, pool, ring = run_verify(case, ours=True, fold_on_load=False)
+    _, pool, ring = run_verify(case, runner, fold_on_load=False)
     accepted = np.array([4, 1, 2], np.uint32)
-    folder_for("cpu").fold(pool, ring, case.row_ids[None], case.ring_row_ids[None], accepted, gate="channel")
+    folder.fold(pool, ring, case.row_ids[None], case.ring_row_ids[None], accepted, gate="channel")
     # The forward over the accepted tokens alone.
     keep = np.concatenate([np.arange(int(case.input_row_offsets[b]), int(case.input_row_offsets[b]) + int(n))
                            for b, n in enumerate(accepted)])
     offsets = np.concatenate([[0], np.cumsum(accepted)]).astype(np.uint32)
     forward_pool = case.state.copy()
     qkv, decay, beta = case.tokens()
-    runner_for("cpu").recurrence(qkv[keep], decay[keep], beta[keep], forward_pool, case.row_ids, offsets)
+    runner.recurrence(qkv[keep], decay[keep], beta[keep], forward_pool, case.row_ids, offsets)
     assert_bits_equal(pool, forward_pool)
 
 
-def test_forward_matches_reference() -> None:
-    case = random_window_case(75, windows=[7, 0, 1, 2], gate="channel")
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_forward_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
+    case = random_window_case(75, windows=[7, 0, 1, 2], state_dtype=state_dtype, gate="channel")
     got_pool = case.state.copy()
-    got = runner_for("cpu").recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
+    got = runner.recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
     want_pool = case.state.copy()
     want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
                                     num_key_heads=case.num_key_heads)
@@ -90,24 +113,23 @@ def test_forward_matches_reference() -> None:
     assert_bits_equal(got_pool, want_pool, "pool")
 
 
-def test_per_channel_gates_differ_from_their_head_mean() -> None:
+def test_per_channel_gates_differ_from_their_head_mean(runner: WindowRunner) -> None:
     """The op reads every one of the K decays: a head gate of their first value gives
     another readout."""
     case = random_window_case(76, windows=[4, 4], gate="channel")
-    got, _, _ = run_verify(case, ours=True, fold_on_load=False)
+    got, _, _ = run_verify(case, runner, fold_on_load=False)
     pool, ring = case.fresh()
     qkv, decay, beta = case.tokens()
     head_ring = np.zeros((ring.shape[0], ring.shape[1], ring.shape[2],
                           RecordLayout(case.state.shape[2], case.state.shape[3],
                                        case.state.shape[1] // case.num_key_heads).min_stride), np.float32)
-    as_head = runner_for("cpu").verify_ring(qkv, np.ascontiguousarray(decay[:, :, 0]), beta, pool, head_ring,
+    as_head = runner.verify_ring(qkv, np.ascontiguousarray(decay[:, :, 0]), beta, pool, head_ring,
                                             case.row_ids, case.ring_row_ids, case.input_row_offsets)
     assert not np.array_equal(got, as_head)
 
 
-def test_bad_input_is_refused_before_anything_is_written() -> None:
+def test_bad_input_is_refused_before_anything_is_written(runner: WindowRunner) -> None:
     case = random_window_case(77, gate="channel")
-    runner = runner_for("cpu")
     qkv, decay, beta = case.tokens()
     tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets)
 
@@ -133,7 +155,7 @@ def test_bad_input_is_refused_before_anything_is_written() -> None:
               ring_stride=head_stride)
 
 
-def test_gpu_graph_with_per_channel_gates_is_refused_when_built() -> None:
+def test_a_graph_forcing_the_throughput_kernel_is_refused_when_built() -> None:
     gpu = DeviceRef.GPU()
     k = v = 64
     layout = RecordLayout(k, v, 2, "channel")
@@ -147,6 +169,6 @@ def test_gpu_graph_with_per_channel_gates_is_refused_when_built() -> None:
             TensorType(DType.uint32, ["B"], gpu),
             TensorType(DType.uint32, ["B1"], gpu)], custom_extensions=[kernels_path()]) as graph:
         qkv, decay, beta, pool, ring, rows, ring_rows, offsets = graph.inputs
-        with pytest.raises(ValueError, match=r"per-channel gates \(\[T, nv, K\] decays\) have no GPU path yet"):
+        with pytest.raises(ValueError, match=r"gpu_path: 'throughput' has no per-channel gates"):
             verify_ring(qkv.tensor, decay.tensor, beta.tensor, pool.buffer, ring.buffer, rows.tensor,
-                        ring_rows.tensor, offsets.tensor)
+                        ring_rows.tensor, offsets.tensor, gpu_path="throughput")

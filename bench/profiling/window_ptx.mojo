@@ -26,16 +26,16 @@ def emit[state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int]():
 
 
 def emit_latency[
-    state_dtype: DType, K: Int, RECORD: Bool, FOLD_PREVIOUS: Bool, CV: Int
+    state_dtype: DType, K: Int, RECORD: Bool, FOLD_PREVIOUS: Bool, CV: Int, CHANNEL: Bool = False
 ]():
     print(
         "// window kernel: latency path,", state_dtype, "K = V =", K,
         "fold on load" if FOLD_PREVIOUS else ("verify" if RECORD else "forward"),
-        CV, "columns per thread",
+        CV, "columns per thread", "per-channel gates" if CHANNEL else "",
     )
     print(
         _compile_code[
-            windows_gpu_latency_kernel[state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, CV],
+            windows_gpu_latency_kernel[state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, CV, CHANNEL],
             target=get_gpu_target["sm_90a"](),
         ]().asm
     )
@@ -47,6 +47,9 @@ def main():
     emit_latency[DType.float32, 128, False, False, 4]()
     emit_latency[DType.bfloat16, 128, True, True, 4]()
     emit_latency[DType.float32, 256, True, True, 2]()
+    emit_latency[DType.float32, 128, True, True, 4, True]()
+    emit_latency[DType.float32, 128, False, False, 4, True]()
+    emit_latency[DType.bfloat16, 128, True, True, 4, True]()
     emit[DType.float32, 128, True, 64]()
     emit[DType.float32, 128, False, 64]()
     emit[DType.bfloat16, 128, True, 64]()

@@ -14,6 +14,10 @@ one process.
   SGLang's decode build on) over the same windows and data for every layer, initial
   state in, final state out. It runs where ``torch`` and ``fla`` import, on a GPU; it is
   an anchor, not a dependency of this package (``fla_anchor``).
+* ``kda``: with per-channel gates, MAX's ``kda_decode`` for every layer, the forward
+  over the same windows (its gates and betas go in as pre-activations; the values do not
+  change the work, so the timing is the op's). The anchor for ``forward`` there, as
+  MAX has no verify ring or fold for per-channel gates.
 
 Timing as ``bench_harness`` says: per step (t_R - t_1) / (R - 1), best of ``repeats``,
 every variant in turn for ``rounds`` rounds, the median kept and the per-round ratios'
@@ -45,13 +49,15 @@ from .window_graph import WindowTiling, recurrence, verify_ring
 if TYPE_CHECKING:
     from .fla_anchor import FlaSteps
 
-#: The graph variants (FLA runs through torch, beside them).
+#: The graph variants with one decay per head (FLA runs through torch, beside them).
 VARIANTS = ("max", "ours", "fused", "forward")
+#: The graph variants with per-channel gates on a GPU: MAX's KDA decode is the anchor.
+CHANNEL_VARIANTS = ("kda", "ours", "fused", "forward")
 
 
 #: Passes over the state each variant makes, so the bytes it must move: a count from
 #: the design, not a measurement.
-STATE_PASSES = {"max": 3, "ours": 3, "fused": 2, "forward": 2, "fla": 2}
+STATE_PASSES = {"max": 3, "ours": 3, "fused": 2, "forward": 2, "fla": 2, "kda": 2}
 
 
 @dataclass
@@ -67,6 +73,7 @@ class StepRow:
     state_gb: float
     state_tb_s: float
     #: MAX's time over this variant's, medians (NaN where MAX's ops did not run: the CPU).
+    #: MAX's verify + fold with one decay per head; its KDA decode with per-channel gates.
     vs_max: float
     #: ``ours`` time over this variant's, medians.
     vs_ours: float
@@ -110,7 +117,7 @@ class StepGraphs(ChainedGraphs):
             TensorType(u32, ["batch"], where),
             TensorType(u32, ["offsets"], where),
         ]
-        extensions = [] if variant == "max" else [self.kernels]
+        extensions = [] if variant in ("max", "kda") else [self.kernels]
         with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{links}", input_types=inputs,
                    custom_extensions=extensions) as graph:
             pool, ring = graph.inputs[0].buffer, graph.inputs[1].buffer
@@ -140,6 +147,8 @@ class StepGraphs(ChainedGraphs):
                 readout = gated_delta_recurrence_verify_ring_fwd(qkv, decay, beta, pool, ring, rows[layer],
                                                                  ring_rows[layer], offsets, width)
             gated_delta_state_fold(pool, ring, rows, ring_rows, accepted, width)
+        elif variant == "kda":
+            readout = self._max_kda_forward(qkv, decay, beta, pool, rows, offsets)
         elif variant == "ours":
             for layer in range(s.num_layers):
                 readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
@@ -155,6 +164,31 @@ class StepGraphs(ChainedGraphs):
                                       **self.tiling)
         assert readout is not None
         return readout
+
+    def _max_kda_forward(self, qkv: TensorValue, decay: TensorValue, beta: TensorValue, pool: BufferValue,
+                         rows: TensorValue, offsets: TensorValue) -> TensorValue:
+        """MAX's kda_decode for every layer, the decays as raw gates and the betas as
+        probabilities; its int32 tables are cast once per step."""
+        from max.graph import ops
+        from max.nn.state_space import kda_decode
+
+        s = self.shape
+        nk, nv, kd, vd = s.num_key_heads, s.num_value_heads, s.key_dim, s.value_dim
+        tokens = qkv.shape[0]
+        q = ops.reshape(qkv[:, : nk * kd], [tokens, nk, kd])
+        k = ops.reshape(qkv[:, nk * kd : 2 * nk * kd], [tokens, nk, kd])
+        v = ops.reshape(qkv[:, 2 * nk * kd :], [tokens, nv, vd])
+        where = qkv.device
+        a_log = ops.constant(np.zeros(nv, np.float32), DType.float32, where)
+        dt_bias = ops.constant(np.zeros((nv, kd), np.float32), DType.float32, where)
+        cu_seqlens = ops.cast(offsets, DType.int32)
+        slots = ops.cast(rows, DType.int32)
+        readout = None
+        for layer in range(s.num_layers):
+            readout = kda_decode(q, k, v, decay, beta, a_log, dt_bias, cu_seqlens, pool, slots[layer],
+                                 output_dtype=DType.float32, gate_mode="original", beta_mode="probability")
+        assert readout is not None
+        return ops.reshape(readout, [tokens, nv * vd])
 
     def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
                          replay: bool = False) -> float:
@@ -221,9 +255,12 @@ def run_step_bench(
     device = device or Accelerator()
     on_gpu = device.label != "cpu"
     replay = replay and on_gpu
-    # MAX's verify and fold, and FLA's gated delta rule, take one decay per head only.
+    # MAX's verify and fold, and FLA's gated delta rule, take one decay per head only;
+    # with per-channel gates MAX's KDA decode is the anchor.
     with_anchors = on_gpu and shape.gate == "head"
-    graph_variants = VARIANTS if with_anchors else tuple(v for v in VARIANTS if v != "max")
+    anchor = "max" if shape.gate == "head" else "kda"
+    all_variants = VARIANTS if shape.gate == "head" else CHANNEL_VARIANTS
+    graph_variants = all_variants if on_gpu else tuple(v for v in all_variants if v != anchor)
     fla: FlaSteps | None = None
     if with_anchors and with_fla:
         from .fla_anchor import FlaSteps, fla_missing
@@ -261,7 +298,7 @@ def run_step_bench(
                 rounds=rounds,
                 state_gb=moved / 1e9,
                 state_tb_s=moved / seconds / 1e12 if seconds > 0 else float("nan"),
-                vs_max=ratio(measured.median("max"), seconds),
+                vs_max=ratio(measured.median(anchor), seconds),
                 vs_ours=ratio(measured.median("ours"), seconds),
                 vs_fla=ratio(measured.median("fla"), seconds),
                 vs_ours_range=measured.ratio_range("ours", variant),

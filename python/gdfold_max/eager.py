@@ -54,8 +54,7 @@ def validate_fold(
     rows_per_thread: int | None = None,
     gate: Gate = "head",
 ) -> FoldCall:
-    """Checks every operand of a fold on the host; raises before anything is written (a
-    per-channel fold on a GPU is refused when its graph is built, by ``state_fold``)."""
+    """Checks every operand of a fold on the host; raises before anything is written."""
     check_gate(gate)
     state = describe("recurrent_state", recurrent_state, device, writable=True)
     ring_op = describe("ring", ring, device, writable=False)
@@ -143,8 +142,7 @@ class StateFolder(CompiledGraphs):
             ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 array or Buffer.
             row_ids, ring_row_ids: ``[num_layers, batch]`` integer tables.
             num_accepted: ``[batch]`` integer counts.
-            gate: ``"head"``, or ``"channel"`` for per-channel records (the CPU only,
-                for now).
+            gate: ``"head"``, or ``"channel"`` for per-channel records.
 
         Raises:
             TypeError, ValueError: naming the bad argument; nothing is written.

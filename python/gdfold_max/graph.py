@@ -18,7 +18,7 @@ from .layout import Gate, check_gate
 
 #: The name our fold op is registered under (MAX's own is ``gated_delta_state_fold``).
 FOLD_OP_NAME = "gdfold_state_fold"
-#: The fold with per-channel gates (CPU only, for now).
+#: The fold with per-channel gates (records with K decays per value head).
 FOLD_CHANNEL_OP_NAME = "gdfold_state_fold_channel"
 
 
@@ -108,14 +108,12 @@ def fold_parameters(
     gate: Gate = "head",
 ) -> dict[str, int]:
     """Checks static pool and ring shapes and the tiling; returns the fold op's
-    compile-time parameters (per-channel gates: K, V and RING_LEN alone).
+    compile-time parameters.
 
     Raises:
         ValueError: naming the argument, the bad value and what was expected.
     """
     parameters = ring_parameters(state_shape, state_dtype, ring_shape, ring_dtype, gate)
-    if gate == "channel":
-        return parameters
     return parameters | fold_tiling(parameters["K"], parameters["V"], state_dtype, key_dim_tile, rows_per_thread)
 
 
@@ -184,8 +182,8 @@ def state_fold(
         rows_per_thread: GPU only: key rows each thread keeps (divides the tile).
         gate: ``"head"`` (one decay per value head) or ``"channel"`` (per-channel
             gates: K decays per value head, ``S[i, j] = fma(k[i], u[j], S[i, j] * d[i])``,
-            records as ``layout.RecordLayout(..., gate="channel")``). Per-channel gates
-            run on the CPU only, for now: a GPU graph is refused when it is built.
+            records as ``layout.RecordLayout(..., gate="channel")``), on the CPU and
+            the GPU.
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, naming
@@ -214,8 +212,6 @@ def state_fold(
         if width == 0:
             return
     check_gate(gate)
-    if gate == "channel" and not recurrent_state.device.is_cpu():
-        raise ValueError("gate: per-channel gates ('channel') have no GPU fold yet; build the graph for the CPU")
     parameters = fold_parameters(
         list(recurrent_state.shape),
         recurrent_state.dtype,

@@ -177,10 +177,11 @@ def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue,
     return "channel"
 
 
-def _check_channel_device(device: DeviceRef) -> None:
-    if device.is_gpu():
-        raise ValueError("decay: per-channel gates ([T, nv, K] decays) have no GPU path yet; build the graph for"
-                         " the CPU")
+def _check_channel_path(device: DeviceRef, gpu_path: str) -> None:
+    """Per-channel gates run on the GPU's latency kernel: refuses a forced throughput kernel."""
+    if device.is_gpu() and gpu_path == "throughput":
+        raise ValueError("gpu_path: 'throughput' has no per-channel gates ([T, nv, K] decays); use 'auto' or"
+                         " 'latency'")
 
 
 def _check_vector(name: str, value: TensorValue) -> TensorValue:
@@ -238,7 +239,7 @@ def verify_ring(
         decay: ``[T, nv]`` float32 decays, already exp'd; or ``[T, nv, K]`` for per-channel
             gates (Kimi Delta Attention: state row i of a head decays by the i-th, and the
             records hold K decays per value head, ``layout.RecordLayout(..., gate="channel")``;
-            the CPU only, for now).
+            on the GPU these run on the latency kernel).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 ring buffer.
@@ -276,7 +277,7 @@ def verify_ring(
                                  gate)
     check_window_device(recurrent_state.device)
     if gate == "channel":
-        _check_channel_device(recurrent_state.device)
+        _check_channel_path(recurrent_state.device, gpu_path)
     value_dim = parameters["V"]
     nv, nk, width = (static_size(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
     if nv is not None and nk is not None and width is not None:
@@ -299,7 +300,7 @@ def verify_ring(
         ]
     op_parameters: dict[str, int] = {"K": parameters["K"], "V": value_dim, "RING_LEN": parameters["RING_LEN"]}
     if gate == "channel":
-        name += CHANNEL_OP_SUFFIX  # the CPU path: no GPU tiling
+        name += CHANNEL_OP_SUFFIX  # the latency kernel on a GPU: no tiling
     else:
         op_parameters.update(tiling)
     results = ops.inplace_custom(
@@ -331,7 +332,7 @@ def recurrence(
 
     Args:
         qkv: ``[T, 2*nk*K + nv*V]`` float32 (nk follows from the width).
-        decay: ``[T, nv]`` float32, or ``[T, nv, K]`` for per-channel gates (CPU only).
+        decay: ``[T, nv]`` float32, or ``[T, nv, K]`` for per-channel gates.
         beta: ``[T, nv]`` float32.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer, updated
             in place.
@@ -370,11 +371,11 @@ def recurrence(
     if nv is not None and width is not None:
         check_qkv_width(width, nv, key_dim, value_dim)
     op_parameters: dict[str, int] = {"K": key_dim, "V": value_dim}
+    tiling = gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block, gpu_path=gpu_path)
     if gate == "channel":
-        _check_channel_device(recurrent_state.device)
+        _check_channel_path(recurrent_state.device, gpu_path)  # the latency kernel: no tiling
     else:
-        op_parameters.update(gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block,
-                                        gpu_path=gpu_path))
+        op_parameters.update(tiling)
     results = ops.inplace_custom(
         RECURRENCE_OP_NAME + (CHANNEL_OP_SUFFIX if gate == "channel" else ""),
         recurrent_state.device,

@@ -150,8 +150,12 @@ def fold_gpu_kernel[
     ]()
     # One decay per record, or (per-channel gates) the tile's KEY_DIM_TILE of them.
     comptime DECAYS = KEY_DIM_TILE if CHANNEL else 1
+    # (Staged by 16-byte vectors in the per-channel case only.)
     var decays = stack_allocation[
-        RING_LEN * DECAYS, DType.float32, alignment=16, address_space=AddressSpace.SHARED
+        RING_LEN * DECAYS,
+        DType.float32,
+        alignment = 16 if CHANNEL else 4,
+        address_space=AddressSpace.SHARED,
     ]()
     stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS](
         keys, ring, record_base, record_stride, key_offset() + tile_base,
@@ -177,11 +181,14 @@ def fold_gpu_kernel[
 
     # 3. Apply the records in order, in registers: decay (rounded), then one fma.
     for t in range(accepted):
+        var head_decay = decays[unsafe_offset=t * DECAYS]  # read where the gate is the head's
         var delta = deltas.unsafe_load[width=VEC, alignment=16](t * V + column)
         comptime for m in range(ROWS_PER_THREAD):
             var tile_row = row_group + m * ROW_THREADS
             var key = keys[unsafe_offset=t * KEY_DIM_TILE + tile_row]
-            var decay = decays[unsafe_offset=t * DECAYS + (tile_row if CHANNEL else 0)]
+            var decay = head_decay
+            comptime if CHANNEL:
+                decay = decays[unsafe_offset=t * DECAYS + tile_row]
             held[m] = fma(SIMD[DType.float32, VEC](key), delta, held[m] * decay)
 
     # 4. Store each vector once, rounded to the pool's dtype.

@@ -20,7 +20,8 @@ folding nothing):
 
 MAX's Qwen3.5 attention layers are not in the model: they read MAX's paged KV cache
 (``PagedCacheValues``), whose rollback is moving a length back, not a state fold.
-MAX's Gated DeltaNet conv kernel has no CPU path, so this runs on a GPU only.
+MAX's Gated DeltaNet conv kernel has no CPU path, so the decoding runs on a GPU only;
+on the CPU the graphs are built (not compiled).
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ from gdfold_max import fold, kernels_path  # noqa: E402
 from gdfold_max.eager_base import copy_back  # noqa: E402
 from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 from gdfold_max.layout import RecordLayout  # noqa: E402
-
-pytestmark = pytest.mark.gpu
 
 HIDDEN, NK, NV, HEAD, CONV, LAYERS, VOCAB = 256, 2, 4, 128, 4, 2, 64
 BATCH, DRAFTS, PROMPT, NEW_TOKENS = 3, 3, 3, 12
@@ -275,6 +274,13 @@ def speculative_decode(variant: str, prompts: np.ndarray, reference: np.ndarray,
     return np.array([t[PROMPT : PROMPT + NEW_TOKENS] for t in run.tokens]), pools, history
 
 
+def test_every_graph_builds() -> None:
+    """Building needs no GPU: MAX's layers, rollback and our routes fit together."""
+    for kind, variant in GRAPHS:
+        graph, _ = (plain_graph if kind == "plain" else speculative_graph)(variant)
+        assert graph.output_types, f"{kind} {variant}"
+
+
 @pytest.fixture(scope="module")
 def prompts() -> np.ndarray:
     return np.random.default_rng(63).integers(0, VOCAB, (BATCH, PROMPT))
@@ -286,6 +292,7 @@ def runs(prompts: np.ndarray) -> dict[str, tuple[np.ndarray, list[np.ndarray], l
     return {variant: speculative_decode(variant, prompts, reference, seed=64) for variant in ROUTES}
 
 
+@pytest.mark.gpu
 def test_speculative_decoding_gives_the_plain_tokens(prompts: np.ndarray, runs: dict) -> None:
     for variant in ("max", "ours"):
         plain, _ = plain_decode(variant, prompts)
@@ -299,12 +306,14 @@ def test_speculative_decoding_gives_the_plain_tokens(prompts: np.ndarray, runs: 
         np.testing.assert_array_equal(runs[variant][0], runs["max"][0], err_msg=f"{variant}: speculative tokens")
 
 
+@pytest.mark.gpu
 def test_patched_pools_are_max_s_bit_for_bit(runs: dict) -> None:
     for name, ours, theirs in zip(("conv pool", "recurrent pool"), runs["patched"][1], runs["max"][1], strict=True):
         assert_bits_equal(ours, theirs, name)
     assert runs["patched"][2] == runs["max"][2]
 
 
+@pytest.mark.gpu
 def test_fused_pools_are_ours_unfused_bit_for_bit(runs: dict) -> None:
     for name, fused, unfused in zip(("conv pool", "recurrent pool"), runs["fused"][1], runs["ours"][1], strict=True):
         assert_bits_equal(fused, unfused, name)

@@ -274,11 +274,12 @@ def speculative_decode(variant: str, prompts: np.ndarray, reference: np.ndarray,
     return np.array([t[PROMPT : PROMPT + NEW_TOKENS] for t in run.tokens]), pools, history
 
 
-def test_every_graph_builds() -> None:
-    """Building needs no GPU: MAX's layers, rollback and our routes fit together."""
-    for kind, variant in GRAPHS:
-        graph, _ = (plain_graph if kind == "plain" else speculative_graph)(variant)
-        assert graph.output_types, f"{kind} {variant}"
+@pytest.mark.parametrize("variant", ["max", "fused"])
+def test_the_speculative_graphs_build(variant: str) -> None:
+    """Building needs no GPU: MAX's layers and rollback, and the fused layer, fit
+    together (the other graphs are parts of these two)."""
+    graph, _ = speculative_graph(variant)
+    assert len(graph.output_types) == 2
 
 
 @pytest.fixture(scope="module")

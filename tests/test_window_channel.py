@@ -101,7 +101,9 @@ def test_verify_then_fold_equals_forward_over_accepted_tokens(runner: WindowRunn
     assert_bits_equal(pool, forward_pool)
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+# bf16 on the GPU only: on the CPU the fold on load covers the bf16 store and read-back,
+# and each CPU graph costs CI half a minute.
+@pytest.mark.parametrize("state_dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)])
 def test_forward_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     case = random_window_case(75, windows=[7, 0, 1, 2], state_dtype=state_dtype, gate="channel")
     got_pool = case.state.copy()

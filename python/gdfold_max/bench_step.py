@@ -21,8 +21,8 @@ one process.
 
 Timing as ``bench_harness`` says: per step (t_R - t_1) / (R - 1), best of ``repeats``,
 every variant in turn for ``rounds`` rounds, the median kept and the per-round ratios'
-spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours`` and
-``fused`` run. Shapes default to Qwen3-Next-80B's gated-delta layers, a window of
+spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours``,
+``fused`` and ``forward`` run. Shapes default to Qwen3-Next-80B's gated-delta layers, a window of
 RING_LEN tokens per request and RING_LEN - 1 records accepted.
 """
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 from max.driver import accelerator_count
 
 from gdfold_max import StateFolder, folder_for, reference
-from gdfold_max.cases import FoldCase, WindowCase
+from gdfold_max.cases import FoldCase
 
 CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 
@@ -63,18 +62,6 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str = "pool") -> 
     differ = bits(got) != bits(want)
     count = int(np.count_nonzero(differ))
     assert count == 0, f"{what}: {count} of {differ.size} elements differ in their bits"
-
-
-def verify_step(verify: Callable[..., np.ndarray], case: WindowCase, *, fold_on_load: bool
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Readout, pool and ring after ``verify`` (ours or the reference) on fresh copies."""
-    state, ring = case.fresh()
-    previous = {}
-    if fold_on_load:
-        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
-                    "previous_num_accepted": case.previous_num_accepted}
-    out = verify(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets, **previous)
-    return out, state, ring
 
 
 def float64_channel_forward(qkv: np.ndarray, decay: np.ndarray, beta: np.ndarray, state: np.ndarray,

@@ -69,8 +69,7 @@ def test_each_shard_equals_the_unsharded_ops_on_its_heads(fold_on_load: bool) ->
     previous = ({"previous_ring_row_ids": case.previous_ring_row_ids,
                  "previous_num_accepted": case.previous_num_accepted} if fold_on_load else {})
     tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets)
-    whole_pool, whole_ring = case.fresh()
-    whole = reference.verify_ring(*case.tokens(), whole_pool, whole_ring, *tables, **previous)
+    whole, whole_pool, whole_ring = case.run_verify(reference.verify_ring, fold_on_load=fold_on_load)
     for shard in shard_heads(8, 4, 2):
         qkv, decay, beta, pool, ring = shard_window_case(case, shard)
         out = runner.verify_ring(qkv, decay, beta, pool, ring, *tables, **previous)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import WINDOW_TARGETS, assert_bits_equal, verify_step
+from conftest import WINDOW_TARGETS, assert_bits_equal
 from gdfold_max import reference
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.eager import folder_for
@@ -40,16 +40,16 @@ def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], 
 def assert_verify_matches_reference(runner: WindowRunner, case: WindowCase) -> None:
     """The verify with fold on load, then without, against the reference, bit for bit."""
     for fold_on_load in (True, False):
-        got = verify_step(runner.verify_ring, case, fold_on_load=fold_on_load)
-        want = verify_step(reference.verify_ring, case, fold_on_load=fold_on_load)
+        got = case.run_verify(runner.verify_ring, fold_on_load=fold_on_load)
+        want = case.run_verify(reference.verify_ring, fold_on_load=fold_on_load)
         assert_same_step(got, want, f"fold_on_load={fold_on_load}")
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     case = random_window_case(1, state_dtype=state_dtype)
-    got = verify_step(runner.verify_ring, case, fold_on_load=False)
-    assert_same_step(got, verify_step(reference.verify_ring, case, fold_on_load=False), "verify vs reference")
+    got = case.run_verify(runner.verify_ring, fold_on_load=False)
+    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=False), "verify vs reference")
     # The pool is only read, except the request whose window is past RING_LEN.
     committed = case.row_ids[3]
     untouched = np.setdiff1d(np.arange(case.state.shape[0]), [committed])
@@ -59,22 +59,22 @@ def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> Non
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_fold_on_load_equals_fold_then_verify(runner: WindowRunner, device: str, state_dtype: str) -> None:
     case = random_window_case(2, state_dtype=state_dtype)
-    fused = verify_step(runner.verify_ring, case, fold_on_load=True)
+    fused = case.run_verify(runner.verify_ring, fold_on_load=True)
 
     state, ring = case.fresh()
     folder_for(device).fold(state, ring, case.row_ids[None], case.previous_ring_row_ids[None],
                             case.previous_num_accepted)
     out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets)
     assert_same_step(fused, (out, state, ring), "fold on load vs fold then verify")
-    assert_same_step(fused, verify_step(reference.verify_ring, case, fold_on_load=True), "fold on load vs reference")
+    assert_same_step(fused, case.run_verify(reference.verify_ring, fold_on_load=True), "fold on load vs reference")
 
 
 def test_fold_on_load_and_windows_longer_than_a_chunk(runner: WindowRunner) -> None:
     """RING_LEN 8: folds of more records, and recorded windows of more tokens, than a GPU
     block stages at once (4), including a fold with no window after it."""
     case = random_window_case(8, windows=[8, 5, 0, 9, 3], previous_num_accepted=[8, 5, 6, 2, 0], ring_len=8)
-    got = verify_step(runner.verify_ring, case, fold_on_load=True)
-    assert_same_step(got, verify_step(reference.verify_ring, case, fold_on_load=True), "fold on load vs reference")
+    got = case.run_verify(runner.verify_ring, fold_on_load=True)
+    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=True), "fold on load vs reference")
 
 
 @pytest.mark.parametrize(("num_value_heads", "num_key_heads"), [(3, 3), (8, 2)])
@@ -164,7 +164,7 @@ def test_gpu_window_skips_out_of_range_ids(gpu_path: str) -> None:
     copy_back(ring_buffer, ring)
     readout = np.asarray(out.to(CPU()).to_numpy())
 
-    want = verify_step(reference.verify_ring, case, fold_on_load=True)
+    want = case.run_verify(reference.verify_ring, fold_on_load=True)
     skipped = slice(int(case.input_row_offsets[1]), int(case.input_row_offsets[2]))
     assert np.isnan(readout[skipped]).all()
     kept = np.r_[0 : skipped.start, skipped.stop : readout.shape[0]]

@@ -11,7 +11,7 @@ import pytest
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from conftest import assert_bits_equal, verify_step
+from conftest import assert_bits_equal
 from gdfold_max import StateFolder, folder_for, reference, runner_for, verify_ring
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.graph import kernels_path
@@ -40,8 +40,8 @@ def folder(device: str) -> StateFolder:
 def run_verify(case: WindowCase, runner: WindowRunner | None, *, fold_on_load: bool
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ours on ``runner``, or (None) the numpy reference."""
-    return verify_step(runner.verify_ring if runner is not None else reference.verify_ring, case,
-                       fold_on_load=fold_on_load)
+    return case.run_verify(runner.verify_ring if runner is not None else reference.verify_ring,
+                           fold_on_load=fold_on_load)
 
 
 # Each (op, dtype) is a graph to compile (about 26 s on two cores): fp32 runs every op,

@@ -43,16 +43,10 @@ def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:
     for dtype in ("float32", "bfloat16"):
         case = random_window_case(2, state_dtype=dtype, gate=gate)
         for previous in (False, True):
-            extra = ({"previous_ring_row_ids": case.previous_ring_row_ids,
-                      "previous_num_accepted": case.previous_num_accepted} if previous else {})
-            pool, ring = case.fresh()
-            out = runner.verify_ring(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids,
-                                     case.input_row_offsets, **extra)
-            want_pool, want_ring = case.fresh()
-            want = reference.verify_ring(*case.tokens(), want_pool, want_ring, case.row_ids, case.ring_row_ids,
-                                         case.input_row_offsets, **extra)
+            got = case.run_verify(runner.verify_ring, fold_on_load=previous)
+            want = case.run_verify(reference.verify_ring, fold_on_load=previous)
             what = f"{'verify with fold on load' if previous else 'verify'}, {dtype} pool, {label}"
-            for name, a, b in (("readout", out, want), ("pool", pool, want_pool), ("ring", ring, want_ring)):
+            for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
                 same_bits(a, b, f"{what}: {name}")
         pool = case.state.copy()
         out = runner.recurrence(*case.tokens(), pool, case.row_ids, case.input_row_offsets)

@@ -15,6 +15,7 @@ Both return a :class:`FoldCase`, whose fields are those of a recorded case file.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,19 @@ class WindowCase:
     def fresh(self) -> tuple[NDArray, NDArray]:
         """Copies of the pool and the ring, to be written by one run."""
         return self.state.copy(), self.ring.copy()
+
+    def run_verify(self, verify: Callable[..., NDArray], *, fold_on_load: bool) -> tuple[NDArray, NDArray, NDArray]:
+        """Readout, pool and ring after ``verify`` (ours, e.g. ``WindowRunner.verify_ring``,
+        or ``reference.verify_ring``) on fresh copies, folding the previous records on
+        load when asked."""
+        state, ring = self.fresh()
+        previous = {}
+        if fold_on_load:
+            previous = {"previous_ring_row_ids": self.previous_ring_row_ids,
+                        "previous_num_accepted": self.previous_num_accepted}
+        out = verify(*self.tokens(), state, ring, self.row_ids, self.ring_row_ids, self.input_row_offsets,
+                     **previous)
+        return out, state, ring
 
 
 def random_window_case(

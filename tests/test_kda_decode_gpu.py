@@ -17,45 +17,38 @@ import pytest
 
 from conftest import float64_channel_forward
 from gdfold_max import runner_for
-from gdfold_max.cases import random_window_case
+from gdfold_max.cases import WindowCase, random_window_case
 
 pytestmark = pytest.mark.gpu
 
 
-def max_kda_forward(case: object, pool: np.ndarray) -> np.ndarray:
+def max_kda_forward(case: WindowCase, pool: np.ndarray) -> np.ndarray:
     """MAX's kda_decode over the case's windows; updates ``pool`` and returns the readout."""
     from max.driver import Accelerator, Buffer
     from max.dtype import DType
     from max.engine import InferenceSession
-    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
-    from max.nn.state_space import kda_decode
+    from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-    qkv, decay, beta = case.tokens()  # type: ignore[attr-defined]
+    from gdfold_max.bench_step import max_kda_decode
+
+    qkv, decay, beta = case.tokens()
     rows, nv, kd, vd = pool.shape
-    nk = case.num_key_heads  # type: ignore[attr-defined]
     tokens = qkv.shape[0]
     gpu = DeviceRef.GPU()
     f32, i32 = DType.float32, DType.int32
     with Graph("max_kda_decode", input_types=[
             TensorType(f32, [tokens, qkv.shape[1]], gpu), TensorType(f32, [tokens, nv, kd], gpu),
             TensorType(f32, [tokens, nv], gpu), BufferType(f32, [rows, nv, kd, vd], gpu),
-            TensorType(i32, [len(case.row_ids) + 1], gpu), TensorType(i32, [len(case.row_ids)], gpu),  # type: ignore[attr-defined]
+            TensorType(i32, [len(case.row_ids) + 1], gpu), TensorType(i32, [len(case.row_ids)], gpu),
     ]) as graph:
         x, raw_gate, b, state, cu_seqlens, slots = graph.inputs
-        x = x.tensor
-        q = ops.reshape(x[:, : nk * kd], [tokens, nk, kd])
-        k = ops.reshape(x[:, nk * kd : 2 * nk * kd], [tokens, nk, kd])
-        v = ops.reshape(x[:, 2 * nk * kd :], [tokens, nv, vd])
-        a_log = ops.constant(np.zeros(nv, np.float32), f32, gpu)
-        dt_bias = ops.constant(np.zeros((nv, kd), np.float32), f32, gpu)
-        out = kda_decode(q, k, v, raw_gate.tensor, b.tensor, a_log, dt_bias, cu_seqlens.tensor, state.buffer,
-                         slots.tensor, output_dtype=f32, gate_mode="original", beta_mode="probability")
-        graph.output(ops.reshape(out, [tokens, nv * vd]))
+        graph.output(max_kda_decode(x.tensor, raw_gate.tensor, b.tensor, state.buffer, [slots.tensor],
+                                    cu_seqlens.tensor, case.num_key_heads))
     device = Accelerator()
     model = InferenceSession(devices=[device]).load(graph)
     raw = np.log(np.expm1(-np.log(decay.astype(np.float64)))).astype(np.float32)
     pool_on_gpu = Buffer.from_numpy(pool).to(device)
-    inputs = [qkv, raw, beta, None, case.input_row_offsets.astype(np.int32), case.row_ids.astype(np.int32)]  # type: ignore[attr-defined]
+    inputs = [qkv, raw, beta, None, case.input_row_offsets.astype(np.int32), case.row_ids.astype(np.int32)]
     (readout,) = model.execute(*(pool_on_gpu if a is None else Buffer.from_numpy(np.ascontiguousarray(a)).to(device)
                                  for a in inputs))
     pool[...] = pool_on_gpu.to_numpy()

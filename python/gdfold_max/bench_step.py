@@ -167,34 +167,45 @@ class StepGraphs(ChainedGraphs):
 
     def _max_kda_forward(self, qkv: TensorValue, decay: TensorValue, beta: TensorValue, pool: BufferValue,
                          rows: TensorValue, offsets: TensorValue) -> TensorValue:
-        """MAX's kda_decode for every layer, the decays as raw gates and the betas as
-        probabilities; its int32 tables are cast once per step."""
+        """MAX's kda_decode for every layer, the decays as raw gates; its int32 tables
+        are cast once per step."""
         from max.graph import ops
-        from max.nn.state_space import kda_decode
 
-        s = self.shape
-        nk, nv, kd, vd = s.num_key_heads, s.num_value_heads, s.key_dim, s.value_dim
-        tokens = qkv.shape[0]
-        q = ops.reshape(qkv[:, : nk * kd], [tokens, nk, kd])
-        k = ops.reshape(qkv[:, nk * kd : 2 * nk * kd], [tokens, nk, kd])
-        v = ops.reshape(qkv[:, 2 * nk * kd :], [tokens, nv, vd])
-        where = qkv.device
-        a_log = ops.constant(np.zeros(nv, np.float32), DType.float32, where)
-        dt_bias = ops.constant(np.zeros((nv, kd), np.float32), DType.float32, where)
-        cu_seqlens = ops.cast(offsets, DType.int32)
         slots = ops.cast(rows, DType.int32)
-        readout = None
-        for layer in range(s.num_layers):
-            readout = kda_decode(q, k, v, decay, beta, a_log, dt_bias, cu_seqlens, pool, slots[layer],
-                                 output_dtype=DType.float32, gate_mode="original", beta_mode="probability")
-        assert readout is not None
-        return ops.reshape(readout, [tokens, nv * vd])
+        return max_kda_decode(qkv, decay, beta, pool, [slots[layer] for layer in range(self.shape.num_layers)],
+                              ops.cast(offsets, DType.int32), self.shape.num_key_heads)
 
     def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
                          replay: bool = False) -> float:
         """(t_R - t_1) / (R - 1) over graphs of R chained steps and of one (``replay``:
         captured device graphs, see ``ChainedGraphs.per_link_seconds``)."""
         return self.per_link_seconds(variant, state_dtype, operands, repeats, replay)
+
+
+def max_kda_decode(qkv: TensorValue, raw_gate: TensorValue, beta: TensorValue, pool: BufferValue,
+                   layer_slots: Sequence[TensorValue], cu_seqlens: TensorValue, num_key_heads: int) -> TensorValue:
+    """MAX's ``kda_decode`` on our operands, once per layer (its pool rows in
+    ``layer_slots``, int32 like ``cu_seqlens``): q, k and v cut from ``qkv`` ``[T, 2*nk*K +
+    nv*V]`` once, ``raw_gate`` ``[T, nv, K]`` decayed as ``exp(-softplus(raw_gate))``
+    (``a_log = dt_bias = 0``), ``beta`` ``[T, nv]`` taken as it is. Returns the last
+    layer's readout ``[T, nv*V]``, as ours."""
+    from max.graph import ops
+    from max.nn.state_space import kda_decode
+
+    nv, kd, vd = (int(d) for d in pool.shape[1:])
+    nk = num_key_heads
+    tokens = qkv.shape[0]
+    q = ops.reshape(qkv[:, : nk * kd], [tokens, nk, kd])
+    k = ops.reshape(qkv[:, nk * kd : 2 * nk * kd], [tokens, nk, kd])
+    v = ops.reshape(qkv[:, 2 * nk * kd :], [tokens, nv, vd])
+    a_log = ops.constant(np.zeros(nv, np.float32), DType.float32, qkv.device)
+    dt_bias = ops.constant(np.zeros((nv, kd), np.float32), DType.float32, qkv.device)
+    readout = None
+    for slots in layer_slots:
+        readout = kda_decode(q, k, v, raw_gate, beta, a_log, dt_bias, cu_seqlens, pool, slots,
+                             output_dtype=DType.float32, gate_mode="original", beta_mode="probability")
+    assert readout is not None
+    return ops.reshape(readout, [tokens, nv * vd])
 
 
 def step_host_inputs(shape: FoldShape, batch: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -54,6 +54,7 @@ from .bulk_copy import (
     wait_bulk_copies_read,
     wait_phase,
 )
+from .grid_dependency import load_hint, release_next_grid, wait_for_previous_grid
 from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
 from .recurrence_math import REDUCTION_LANES
 from .window_gpu_staging import (
@@ -472,6 +473,26 @@ def windows_gpu_kernel[
     @always_inline
     def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
         return lane_values.unsafe_load[width=4, alignment=16](4 * j)
+
+    # Launched as a programmatic dependent (window_launch.mojo: launches whose blocks
+    # claim no units), the block may start while the kernel before it on the stream
+    # still runs, possibly writing the pool, the ring or the tables. Until it waits it
+    # only asks L2 for its first unit's state tile at the row the ids name now: a hint
+    # that saves a trip to memory when right and costs nothing else when wrong.
+    comptime if BOXED_TILE:
+        if tid == 0:
+            var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit))))
+            if hinted_row < num_rows:
+                var first_place = place_of_unit(unit)
+                prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+                    state_map_at,
+                    (hinted_row * num_value_heads + first_place.value_head) * K,
+                    first_place.tile_start,
+                )
+    wait_for_previous_grid()
+    # Every block of this kernel has started (a launch without claims is one wave): the
+    # next kernel's blocks may take the SM room left and give their own hints.
+    release_next_grid()
 
     # The first unit's ids, and the second unit, which no block has to wait to claim.
     write_ids(0, read_ids(unit))

@@ -38,6 +38,7 @@ from std.utils import StaticTuple
 from std.utils.numerics import nan
 
 from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
+from .grid_dependency import load_hint, prefetch_l2, release_next_grid, wait_for_previous_grid
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
 from .window_gpu import column_slot, column_sum, gather_columns
 from .window_gpu_staging import (
@@ -108,6 +109,46 @@ def slab_gather[CV: Int](mine: Float32, lane: Int) -> SIMD[DType.float32, CV]:
         return SIMD[DType.float32, CV](mine, other)
 
 
+@always_inline
+def prefetch_record_lines[
+    K: Int, V: Int, CHANNEL: Bool
+](
+    ring: Pointer[Float32, MutAnyOrigin],
+    first_record: Int,
+    count: Int,
+    record_stride: Int,
+    group_size: Int,
+    group_slot: Int,
+    slab_start: Int,
+    tid: Int,
+):
+    """Asks L2 for what a fold on load reads of `count` records from `first_record`: the
+    raw key, the slab's delta columns and the decay (or, per-channel, K decays) of each,
+    a 128-byte line a lane."""
+    comptime LINE_FLOATS = 32
+    comptime KEY_LINES = K // LINE_FLOATS
+    comptime DECAY_LINES = K // LINE_FLOATS if CHANNEL else 1
+    comptime LINES = KEY_LINES + 1 + DECAY_LINES
+    comptime assert LINES <= WARP_THREADS, "a record's lines must fit one warp"
+    if tid >= LINES:
+        return
+    for t in range(count):
+        var record = first_record + t * record_stride
+        var at: Int
+        if tid < KEY_LINES:
+            at = record + key_offset() + tid * LINE_FLOATS
+        elif tid == KEY_LINES:
+            at = record + delta_offset[K, V](group_slot) + slab_start
+        else:
+            comptime if CHANNEL:
+                at = record + channel_decay_offset[K, V](group_size, group_slot) + (
+                    tid - KEY_LINES - 1
+                ) * LINE_FLOATS
+            else:
+                at = record + decay_offset[K, V](group_size, group_slot)
+        prefetch_l2(ring.unsafe_offset(at))
+
+
 @__llvm_metadata(
     MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
 )
@@ -172,6 +213,36 @@ def windows_gpu_latency_kernel[
     # One lane of each column stores its sums.
     var writes_column = (lane & (REDUCTION_LANES // CV - 1)) == 0
 
+    # 0. Launched as a programmatic dependent (window_launch.mojo), the unit may start
+    # while the kernel before it on the stream still runs, possibly writing the pool, the
+    # ring or the tables. Until the wait it only asks L2 for the state rows, and the
+    # records a fold on load reads, at the ids it reads now: hints that save a trip to
+    # memory when right and cost nothing else when wrong.
+    var num_rows = Int(num_rows_i32)
+    var num_ring_rows = Int(num_ring_rows_i32)
+    var hinted_row = Int(load_hint(row_ids.unsafe_offset(request)))
+    if hinted_row < num_rows:
+        var hinted_rows = state.unsafe_offset(
+            hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V + column
+        )
+        comptime for m in range(ROWS):
+            prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
+    comptime if FOLD_PREVIOUS:
+        var hinted_count = Int(load_hint(previous_accepted.unsafe_offset(request)))
+        var hinted_ring_row = Int(load_hint(previous_ring_row_ids.unsafe_offset(request)))
+        if hinted_count <= RING_LEN and hinted_ring_row < num_ring_rows:
+            var hinted_records = first_record_at[RING_LEN](
+                hinted_ring_row, num_key_heads, key_head, record_stride
+            )
+            prefetch_record_lines[K, V, CHANNEL](
+                ring, hinted_records, hinted_count, record_stride, group_size, group_slot,
+                slab * SLAB, tid,
+            )
+    wait_for_previous_grid()
+    # Every block of this kernel has started: the next kernel's blocks may take the SM
+    # slots left and give their own hints while this one runs.
+    release_next_grid()
+
     # The request's ids, read by every thread (the loads broadcast).
     var start = Int(offsets[unsafe_offset=request])
     var end = Int(offsets[unsafe_offset=request + 1])
@@ -189,9 +260,9 @@ def windows_gpu_latency_kernel[
     if not (start <= end and end <= num_tokens):
         return  # offsets out of range: nothing to read, nothing written
     var commit = not RECORD or end - start > RING_LEN
-    var bad_id = row >= Int(num_rows_i32)
-    bad_id = bad_id or (RECORD and not commit and ring_row >= Int(num_ring_rows_i32))
-    bad_id = bad_id or (accepted > 0 and previous_row >= Int(num_ring_rows_i32))
+    var bad_id = row >= num_rows
+    bad_id = bad_id or (RECORD and not commit and ring_row >= num_ring_rows)
+    bad_id = bad_id or (accepted > 0 and previous_row >= num_ring_rows)
     if bad_id:
         # Never follow an id out of bounds; make the request's readout loudly invalid.
         if writes_column:

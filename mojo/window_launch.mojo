@@ -8,6 +8,7 @@ bounds: it skips that request and fills its readout with NaN.
 """
 
 from max.gpu.host import DeviceAttribute, DeviceBuffer, DeviceContext, FuncAttribute
+from max.gpu.host.launch_attribute import LaunchAttribute, LaunchAttributeID, LaunchAttributeValue
 from max.gpu.host.nvidia.tma import TMADescriptor, TensorMapSwizzle, create_tma_descriptor
 from std.math import ceildiv
 from std.utils import IndexList
@@ -67,6 +68,20 @@ def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, ctx: DeviceContext) r
         comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1 or 2"
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         return latency_units <= sms * LATENCY_WARPS_PER_SM
+
+
+def dependent_launch() -> List[LaunchAttribute]:
+    """A programmatic dependent launch: the window kernel's blocks may start while the
+    kernel before it on the stream ends, and until they wait for it they only give L2
+    hints (grid_dependency.mojo). At small batches this hides the launch and the first
+    trip to memory behind the previous kernel."""
+    var attributes = List[LaunchAttribute]()
+    attributes.append(
+        LaunchAttribute(
+            LaunchAttributeID.PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttributeValue(True)
+        )
+    )
+    return attributes^
 
 
 def check_window_gpu(ctx: DeviceContext) raises:
@@ -296,6 +311,7 @@ def run_windows[
                 Int32(num_key_heads), Int32(record_stride),
                 grid_dim=latency_units,
                 block_dim=WARP_THREADS,
+                attributes=dependent_launch(),
             )
             return
         comptime kernel = windows_gpu_kernel[
@@ -344,6 +360,9 @@ def run_windows[
                     IndexList[2](V, 1),
                     IndexList[2](K, box_columns[state_dtype]()),
                 )
+        # Without claims the kernel follows the previous one directly on the stream, and
+        # may start while it ends; with them the counter's zeroing comes between.
+        var attributes = List[LaunchAttribute]() if claims else dependent_launch()
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted, unit_counter, state_map,
@@ -354,6 +373,7 @@ def run_windows[
             block_dim=THREADS,
             shared_mem_bytes=TILE_BYTES,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(TILE_BYTES)),
+            attributes=attributes^,
         )
         _ = counter^  # freed in stream order, after the kernel
     else:

@@ -3,7 +3,8 @@ the anchors, in one process: the decoding step's state work over all layers at
 Qwen3-Next shapes, per batch.
 
     python bench/tuning/tune_paths.py [--dtype D] [--rounds N] [--no-fla] [--eager] [--json FILE]
-                                      [--kernels DIR ...] [BATCH ...]
+                                      [--ours fused forward] [--paths latency throughput auto]
+                                      [--kernels DIR ...] [--copy-path P] [BATCH ...]
 
 For each batch it prints, in µs per step, our fused verify (fold on load) and our
 forward on the latency kernel and on the throughput kernel, beside MAX's verify + fold
@@ -11,8 +12,9 @@ and FLA's fused_recurrent (where torch and fla import); each round times every v
 in turn and the median counts. The batch where the latency kernel stops winning sets
 the threshold `LATENCY_WARPS_PER_SM` in `mojo/window_launch.mojo`. Every graph runs as a
 captured device graph (as MAX's pipelines run decoding steps, and as FLA's CUDA graphs
-run) unless ``--eager`` times ``execute()`` instead. ``--kernels`` adds the latency
-kernel of each given copy of ``mojo/`` (a change to try) beside the installed one.
+run) unless ``--eager`` times ``execute()`` instead. ``--kernels`` adds each given copy
+of ``mojo/`` (a change to try, or the kernels before one) beside the installed one, on
+the path ``--copy-path`` names (default: the latency kernel).
 """
 
 from __future__ import annotations
@@ -44,8 +46,14 @@ def main() -> None:
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--eager", action="store_true", help="time execute() instead of captured device graphs")
+    parser.add_argument("--ours", nargs="+", default=list(OURS), choices=OURS,
+                        help="which of our variants to time (each graph compiles for a while)")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=["auto", *PATHS],
+                        help="the GPU paths of the installed kernels to time")
     parser.add_argument("--kernels", nargs="*", type=Path, default=[],
-                        help="copies of mojo/ whose latency kernel is timed beside the installed one")
+                        help="copies of mojo/ timed beside the installed one")
+    parser.add_argument("--copy-path", default="latency", choices=["auto", *PATHS],
+                        help="the GPU path the copies of --kernels run")
     args = parser.parse_args()
     console = Console()
     device = Accelerator()
@@ -54,16 +62,16 @@ def main() -> None:
     session = InferenceSession(devices=[device])
     chain = 2
     anchors = StepGraphs(session, device, shape, chain)
-    by_path = {path: StepGraphs(session, device, shape, chain, {"gpu_path": path}) for path in PATHS}
+    by_path = {path: StepGraphs(session, device, shape, chain, {"gpu_path": path}) for path in args.paths}
     for folder in args.kernels:
         label = folder.parent.name if folder.name == "mojo" else folder.name
-        by_path[f"latency@{label}"] = StepGraphs(session, device, shape, chain, {"gpu_path": "latency"},
-                                                       kernels=folder.resolve())
+        by_path[f"{args.copy_path}@{label}"] = StepGraphs(session, device, shape, chain,
+                                                          {"gpu_path": args.copy_path}, kernels=folder.resolve())
     replay = not args.eager
     console.print("compiling ...")
     anchors.compile_all(["max"], [state_dtype])
     for graphs in by_path.values():
-        graphs.compile_all(OURS, [state_dtype])
+        graphs.compile_all(args.ours, [state_dtype])
     fla = None
     if not args.no_fla:
         from gdfold_max.fla_anchor import FlaSteps, fla_missing
@@ -73,30 +81,34 @@ def main() -> None:
             console.print(f"FLA is not timed: {missing}")
         else:
             fla = FlaSteps(shape, chain)
-    names = ["max", *(f"{v}/{p}" for v in OURS for p in by_path), *(["fla"] if fla else [])]
+    names = ["max", *(f"{v}/{p}" for v in args.ours for p in by_path), *(["fla"] if fla else [])]
     results = []
     for batch in args.batches:
         operands = make_step_operands(device, shape, batch, state_dtype)
         timers: dict[str, Callable[[], float]] = {
             "max": partial(anchors.per_step_seconds, "max", state_dtype, operands, args.repeats, replay)}
         for path, graphs in by_path.items():
-            for variant in OURS:
+            for variant in args.ours:
                 timers[f"{variant}/{path}"] = partial(graphs.per_step_seconds, variant, state_dtype, operands,
                                                       args.repeats, replay)
         if fla is not None:
-            timers["fla"] = fla.prepare(step_host_inputs(shape, batch), batch, state_dtype, args.repeats)
-        measured = measure_rounds(names, args.rounds, timers)
-        row = {name: measured.median(name) * 1e6 for name in names}
+            try:
+                timers["fla"] = fla.prepare(step_host_inputs(shape, batch), batch, state_dtype, args.repeats)
+            except Exception as error:  # e.g. out of memory beside our graphs: FLA's row stays unmeasured
+                console.print(f"FLA not timed at batch {batch}: {type(error).__name__}: {str(error)[:120]}")
+        timed = [name for name in names if name in timers]
+        measured = measure_rounds(timed, args.rounds, timers)
+        row = {name: measured.median(name) * 1e6 if name in timers else float("nan") for name in names}
         results.append({"batch": batch, "dtype": args.dtype, "step_us": row})
         fla_us = row.get("fla", float("nan"))
         line = "  ".join(f"{n} {row[n]:8.1f}" for n in names)
         console.print(f"batch {batch:4d} {args.dtype}: {line}")
-        for variant in OURS:
-            best = min(PATHS[:2], key=lambda p, v=variant: row[f"{v}/{p}"])
-            speedup = row[f"{variant}/throughput"] / row[f"{variant}/latency"]
+        for variant in args.ours:
+            best = min(by_path, key=lambda p, v=variant: row[f"{v}/{p}"])
             best_us = row[f"{variant}/{best}"]
-            console.print(f"    {variant}: latency {speedup:.3f}x faster than throughput; best {best};"
-                          f" best over fla {fla_us / best_us:.3f}x; best over max {row['max'] / best_us:.3f}x")
+            versus = "; ".join(f"{p} {row[f'{variant}/{p}'] / best_us:.3f}x" for p in by_path if p != best)
+            console.print(f"    {variant}: best {best}, over fla {fla_us / best_us:.3f}x, over max"
+                          f" {row['max'] / best_us:.3f}x; the others' time over the best: {versus}")
         del operands, timers
     if args.json:
         with open(args.json, "w") as out:

@@ -212,6 +212,7 @@ def windows_gpu_kernel[
     num_value_heads_i32: Int32,
     num_key_heads_i32: Int32,
     record_stride_i32: Int32,
+    dependent_i32: Int32,
 ):
     comptime TILES = V // COLUMN_TILE
     comptime ROWS = K // REDUCTION_LANES
@@ -474,25 +475,26 @@ def windows_gpu_kernel[
     def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
         return lane_values.unsafe_load[width=4, alignment=16](4 * j)
 
-    # Launched as a programmatic dependent (window_launch.mojo: launches whose blocks
-    # claim no units), the block may start while the kernel before it on the stream
-    # still runs, possibly writing the pool, the ring or the tables. Until it waits it
-    # only asks L2 for its first unit's state tile at the row the ids name now: a hint
-    # that saves a trip to memory when right and costs nothing else when wrong.
-    comptime if BOXED_TILE:
-        if tid == 0:
-            var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit))))
-            if hinted_row < num_rows:
-                var first_place = place_of_unit(unit)
-                prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
-                    state_map_at,
-                    (hinted_row * num_value_heads + first_place.value_head) * K,
-                    first_place.tile_start,
-                )
-    wait_for_previous_grid()
-    # Every block of this kernel has started (a launch without claims is one wave): the
-    # next kernel's blocks may take the SM room left and give their own hints.
-    release_next_grid()
+    # Launched as a programmatic dependent (`dependent`, window_launch.mojo: launches of
+    # one block per SM at most), the block may start while the kernel before it on the
+    # stream still runs, possibly writing the pool, the ring or the tables. Until it
+    # waits it only asks L2 for its first unit's state tile at the row the ids name now:
+    # a hint that saves a trip to memory when right and costs nothing else when wrong.
+    if dependent_i32 != 0:
+        comptime if BOXED_TILE:
+            if tid == 0:
+                var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit))))
+                if hinted_row < num_rows:
+                    var first_place = place_of_unit(unit)
+                    prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+                        state_map_at,
+                        (hinted_row * num_value_heads + first_place.value_head) * K,
+                        first_place.tile_start,
+                    )
+        wait_for_previous_grid()
+        # Every block of this kernel has started: the next kernel's blocks may take the
+        # SM room left and give their own hints.
+        release_next_grid()
 
     # The first unit's ids, and the second unit, which no block has to wait to claim.
     write_ids(0, read_ids(unit))

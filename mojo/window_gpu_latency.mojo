@@ -180,6 +180,7 @@ def windows_gpu_latency_kernel[
     num_value_heads_i32: Int32,
     num_key_heads_i32: Int32,
     record_stride_i32: Int32,
+    dependent_i32: Int32,
 ):
     comptime SLAB = latency_slab_columns[CV]()
     comptime SLABS = V // SLAB
@@ -213,35 +214,36 @@ def windows_gpu_latency_kernel[
     # One lane of each column stores its sums.
     var writes_column = (lane & (REDUCTION_LANES // CV - 1)) == 0
 
-    # 0. Launched as a programmatic dependent (window_launch.mojo), the unit may start
-    # while the kernel before it on the stream still runs, possibly writing the pool, the
-    # ring or the tables. Until the wait it only asks L2 for the state rows, and the
-    # records a fold on load reads, at the ids it reads now: hints that save a trip to
-    # memory when right and cost nothing else when wrong.
+    # 0. Launched as a programmatic dependent (`dependent`, window_launch.mojo), the
+    # unit may start while the kernel before it on the stream still runs, possibly
+    # writing the pool, the ring or the tables. Until the wait it only asks L2 for the
+    # state rows, and the records a fold on load reads, at the ids it reads now: hints
+    # that save a trip to memory when right and cost nothing else when wrong.
     var num_rows = Int(num_rows_i32)
     var num_ring_rows = Int(num_ring_rows_i32)
-    var hinted_row = Int(load_hint(row_ids.unsafe_offset(request)))
-    if hinted_row < num_rows:
-        var hinted_rows = state.unsafe_offset(
-            hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V + column
-        )
-        comptime for m in range(ROWS):
-            prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
-    comptime if FOLD_PREVIOUS:
-        var hinted_count = Int(load_hint(previous_accepted.unsafe_offset(request)))
-        var hinted_ring_row = Int(load_hint(previous_ring_row_ids.unsafe_offset(request)))
-        if hinted_count <= RING_LEN and hinted_ring_row < num_ring_rows:
-            var hinted_records = first_record_at[RING_LEN](
-                hinted_ring_row, num_key_heads, key_head, record_stride
+    if dependent_i32 != 0:
+        var hinted_row = Int(load_hint(row_ids.unsafe_offset(request)))
+        if hinted_row < num_rows:
+            var hinted_rows = state.unsafe_offset(
+                hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V + column
             )
-            prefetch_record_lines[K, V, CHANNEL](
-                ring, hinted_records, hinted_count, record_stride, group_size, group_slot,
-                slab * SLAB, tid,
-            )
-    wait_for_previous_grid()
-    # Every block of this kernel has started: the next kernel's blocks may take the SM
-    # slots left and give their own hints while this one runs.
-    release_next_grid()
+            comptime for m in range(ROWS):
+                prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
+        comptime if FOLD_PREVIOUS:
+            var hinted_count = Int(load_hint(previous_accepted.unsafe_offset(request)))
+            var hinted_ring_row = Int(load_hint(previous_ring_row_ids.unsafe_offset(request)))
+            if hinted_count <= RING_LEN and hinted_ring_row < num_ring_rows:
+                var hinted_records = first_record_at[RING_LEN](
+                    hinted_ring_row, num_key_heads, key_head, record_stride
+                )
+                prefetch_record_lines[K, V, CHANNEL](
+                    ring, hinted_records, hinted_count, record_stride, group_size, group_slot,
+                    slab * SLAB, tid,
+                )
+        wait_for_previous_grid()
+        # Every block of this kernel has started: the next kernel's blocks may take the
+        # SM slots left and give their own hints while this one runs.
+        release_next_grid()
 
     # The request's ids, read by every thread (the loads broadcast).
     var start = Int(offsets[unsafe_offset=request])

@@ -70,17 +70,31 @@ def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, ctx: DeviceContext) r
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
-def dependent_launch() -> List[LaunchAttribute]:
-    """A programmatic dependent launch: the window kernel's blocks may start while the
-    kernel before it on the stream ends, and until they wait for it they only give L2
-    hints (grid_dependency.mojo). At small batches this hides the launch and the first
-    trip to memory behind the previous kernel."""
+# Launches small enough to start as programmatic dependents of the kernel before them
+# (dependent_launch). On an H200 under replay (bench/results/paths-small-batch-h200-
+# 2026-12-02.txt, pdl-h200-2026-12-02.txt), the throughput kernel's fused step took
+# 210.0 against 264.1 us at batch 1 (64 blocks) and 239.4 against 294.8 at batch 2
+# (128), but 400.7 against 377.5 at batch 4 (256 blocks) and 663.1 against 600.8 at 8:
+# once a layer has more blocks than SMs, the next layer's blocks, placed early wherever
+# room frees, crowd the SMs still running this one. The latency kernel's one-warp blocks
+# gained up to batch 8 (2048 warps, 15.5 per SM: 839.0 against 887.7 us) and lost 2% at
+# 16 (31 per SM).
+comptime DEPENDENT_BLOCKS_PER_SM = 1
+comptime DEPENDENT_LATENCY_WARPS_PER_SM = 16
+
+
+def dependent_launch(dependent: Bool) -> List[LaunchAttribute]:
+    """The launch attributes of a window kernel: with `dependent`, a programmatic
+    dependent launch, whose blocks may start while the kernel before it on the stream
+    ends and until they wait for it only give L2 hints (grid_dependency.mojo); this
+    hides the launch and the first trip to memory behind the previous kernel."""
     var attributes = List[LaunchAttribute]()
-    attributes.append(
-        LaunchAttribute(
-            LaunchAttributeID.PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttributeValue(True)
+    if dependent:
+        attributes.append(
+            LaunchAttribute(
+                LaunchAttributeID.PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttributeValue(True)
+            )
         )
-    )
     return attributes^
 
 
@@ -304,14 +318,17 @@ def run_windows[
             comptime latency_kernel = windows_gpu_latency_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
             ]
+            var dependent = latency_units <= ctx.get_attribute(
+                DeviceAttribute.MULTIPROCESSOR_COUNT
+            ) * DEPENDENT_LATENCY_WARPS_PER_SM
             ctx.enqueue_function[latency_kernel](
                 readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
                 previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
                 Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
-                Int32(num_key_heads), Int32(record_stride),
+                Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
                 grid_dim=latency_units,
                 block_dim=WARP_THREADS,
-                attributes=dependent_launch(),
+                attributes=dependent_launch(dependent),
             )
             return
         comptime kernel = windows_gpu_kernel[
@@ -360,20 +377,22 @@ def run_windows[
                     IndexList[2](V, 1),
                     IndexList[2](K, box_columns[state_dtype]()),
                 )
-        # Without claims the kernel follows the previous one directly on the stream, and
-        # may start while it ends; with them the counter's zeroing comes between.
-        var attributes = List[LaunchAttribute]() if claims else dependent_launch()
+        # A launch of at most one block per SM may start while the kernel before it ends
+        # (with claims the counter's zeroing would come between them anyway).
+        var dependent = not claims and blocks <= ctx.get_attribute(
+            DeviceAttribute.MULTIPROCESSOR_COUNT
+        ) * DEPENDENT_BLOCKS_PER_SM
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted, unit_counter, state_map,
             Int32(1 if claims else 0), Int32(batch), Int32(num_tokens), Int32(num_rows),
             Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
-            Int32(record_stride),
+            Int32(record_stride), Int32(1 if dependent else 0),
             grid_dim=blocks,
             block_dim=THREADS,
             shared_mem_bytes=TILE_BYTES,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(TILE_BYTES)),
-            attributes=attributes^,
+            attributes=dependent_launch(dependent),
         )
         _ = counter^  # freed in stream order, after the kernel
     else:

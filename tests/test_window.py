@@ -187,12 +187,17 @@ def test_gpu_window_skips_out_of_range_ids(gpu_path: str) -> None:
 # the blocks run units a grid apart; at three or more they claim them from the kernel's
 # counter. The last leaves the grid to the op at 128 requests on 8 column tiles, more
 # than twice the blocks an H200 holds at once, so that they claim.
+# The launch modes (mojo/window_launch.mojo; 4 heads of 128 columns, 8 units a request):
+# at batch 7 two units a block (28 blocks) start as programmatic dependents of the kernel
+# before them; 4-column tiles (448 blocks of two units) and batch 40 (320 blocks of one),
+# more blocks than an H200's 132 SMs, do not; nor do the launches whose blocks claim.
 GPU_TILINGS = [
     ("float32", None, 2, 7),
     ("float32", None, 3, 7),
     ("bfloat16", None, 3, 7),
     ("float32", 4, 2, 7),
     ("float32", None, 70, 70),
+    ("float32", None, None, 40),
     ("float32", None, None, 128),
 ]
 
@@ -235,8 +240,10 @@ def test_gpu_three_warp_tile_matches_reference(gpu_path: str) -> None:
 
 
 # The latency kernel over the batches the throughput kernel's tilings above cover (many
-# warps per SM, every kind of window), and the automatic choice at a small and a large
-# batch (LATENCY_WARPS_PER_SM in mojo/window_launch.mojo decides which kernel it runs).
+# warps per SM, every kind of window; batch 7 starts as a dependent launch, batch 70's
+# 2240 warps, over 16 per SM on an H200, do not), and the automatic choice at a small
+# and a large batch (LATENCY_WARPS_PER_SM in mojo/window_launch.mojo decides which
+# kernel it runs).
 @pytest.mark.gpu
 @pytest.mark.parametrize(("state_dtype", "gpu_path", "batch"),
                          [("float32", "latency", 7), ("bfloat16", "latency", 7), ("float32", "latency", 70),

@@ -7,6 +7,8 @@ work through many units; a launch with few units leaves every block alone on its
 and then each step of that pipeline (staged tiles, block barriers, tensor boxes, the
 outbox) sits on the unit's critical path. Here a unit is one warp and nothing else:
 
+0. launched as a programmatic dependent (small launches, window_launch.mojo), it asks
+   L2 for its state rows and records while the kernel before it ends, then waits for it;
 1. every thread reads the request's ids (one round trip), then issues its state loads
    straight into registers and asynchronous copies of the first chunk of records and
    tokens into the warp's own shared memory, so that all of them are in flight at once;

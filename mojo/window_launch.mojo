@@ -59,14 +59,13 @@ comptime GPU_PATH_THROUGHPUT = 2
 comptime LATENCY_WARPS_PER_SM = 0
 
 
-def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, ctx: DeviceContext) raises -> Bool:
+def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
     comptime if GPU_PATH == GPU_PATH_LATENCY:
         return True
     elif GPU_PATH == GPU_PATH_THROUGHPUT:
         return False
     else:
         comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1 or 2"
-        var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
@@ -312,15 +311,15 @@ def run_windows[
         comptime assert not (CHANNEL and GPU_PATH == GPU_PATH_THROUGHPUT), (
             "per-channel gates run on the latency kernel only"
         )
+        # The SMs, read once: they size the grid and pick the kernel and the launch.
+        var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, ctx):
+        if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
             comptime latency_kernel = windows_gpu_latency_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
             ]
-            var dependent = latency_units <= ctx.get_attribute(
-                DeviceAttribute.MULTIPROCESSOR_COUNT
-            ) * DEPENDENT_LATENCY_WARPS_PER_SM
+            var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
             ctx.enqueue_function[latency_kernel](
                 readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
                 previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
@@ -344,8 +343,7 @@ def run_windows[
             # another's arithmetic.
             blocks = min(
                 units,
-                ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
-                * window_blocks_per_sm[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS](),
+                sms * window_blocks_per_sm[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS](),
             )
         # Blocks that run more than two units each claim them from a counter, zeroed for
         # the launch, so that the blocks that run faster take more and all end together
@@ -379,9 +377,7 @@ def run_windows[
                 )
         # A launch of at most one block per SM may start while the kernel before it ends
         # (with claims the counter's zeroing would come between them anyway).
-        var dependent = not claims and blocks <= ctx.get_attribute(
-            DeviceAttribute.MULTIPROCESSOR_COUNT
-        ) * DEPENDENT_BLOCKS_PER_SM
+        var dependent = not claims and blocks <= sms * DEPENDENT_BLOCKS_PER_SM
         ctx.enqueue_function[kernel](
             readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
             previous_ring_row_ids, previous_accepted, unit_counter, state_map,

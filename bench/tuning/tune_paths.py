@@ -7,7 +7,8 @@ Qwen3-Next shapes, per batch.
                                       [--kernels DIR ...] [--copy-path P] [BATCH ...]
 
 For each batch it prints, in µs per step, our fused verify (fold on load) and our
-forward on the latency kernel and on the throughput kernel, beside MAX's verify + fold
+forward (``--ours``) on each GPU path of ``--paths`` (default: the latency kernel and the
+throughput kernel, forced), beside MAX's verify + fold
 and FLA's fused_recurrent (where torch and fla import); each round times every variant
 in turn and the median counts. The batch where the latency kernel stops winning sets
 the threshold `LATENCY_WARPS_PER_SM` in `mojo/window_launch.mojo`. Every graph runs as a

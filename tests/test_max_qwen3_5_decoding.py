@@ -303,8 +303,10 @@ def test_speculative_decoding_gives_the_plain_tokens(prompts: np.ndarray, runs: 
         print(f"\n{variant}: {len(history)} speculative steps for {NEW_TOKENS} tokens; accepted drafts seen:"
               f" {accepted}")
         assert len(accepted) > 1, "every step accepted the same number of drafts: the test exercises too little"
-    for variant in ("patched", "fused"):
-        np.testing.assert_array_equal(runs[variant][0], runs["max"][0], err_msg=f"{variant}: speculative tokens")
+    # Each route against the run whose sums it shares: our verify rounds differently from
+    # MAX's, so a near tie in the head could pick another token there, never here.
+    for variant, same_sums in (("patched", "max"), ("fused", "ours")):
+        np.testing.assert_array_equal(runs[variant][0], runs[same_sums][0], err_msg=f"{variant}: speculative tokens")
 
 
 @pytest.mark.gpu

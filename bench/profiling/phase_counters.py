@@ -38,14 +38,15 @@ from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 PHASES = (
-    "waiting for the unit's copies, barrier 1",
+    "ids, copies issued and waited for, barrier 1",
     "state tile to registers, norms, barrier 2",
     "next unit's copies issued, L2 prefetch",
     "fold on load and the folded tile's store",
     "tokens",
+    "before the first unit: L2 hint, previous kernel",
 )
 # Where thread 0's and thread 64's counters land among the block's first readout columns.
-WRITERS = {"thread 0": 0, "thread 64": 8}
+WRITERS = {"thread 0": 0, "thread 64": 16}
 TOTAL_AT, UNITS_AT, SM_AT = len(PHASES), len(PHASES) + 1, len(PHASES) + 2
 # Thread 64 writes the grid's size where thread 0 writes its SM: block 0's is read back,
 # so the report needs no copy of the launch's grid arithmetic.
@@ -74,18 +75,20 @@ FINISH = '''
     if tid == 0 or tid == 64:
         var request, block_column = divide(first_unit, block_columns)
         var at = Int(offsets[unsafe_offset=request]) * readout_width + block_column * COLUMN_TILE
-        at += 0 if tid == 0 else 8
-        for phase in range(5):
+        at += 0 if tid == 0 else 16
+        for phase in range(6):
             readout[unsafe_offset=at + phase] = Float32(phase_cycles[phase])
-        readout[unsafe_offset=at + 5] = Float32(clock_cycles() - kernel_start)
-        readout[unsafe_offset=at + 6] = Float32(step)
+        readout[unsafe_offset=at + 6] = Float32(clock_cycles() - kernel_start)
+        readout[unsafe_offset=at + 7] = Float32(step)
         var sm = inlined_assembly["mov.u32 $0, %smid;", UInt32, constraints="=r", has_side_effect=True]()
-        readout[unsafe_offset=at + 7] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
+        readout[unsafe_offset=at + 8] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
 '''
 # (text to find, text to put before it, text to put after it)
 EDITS = (
     ("\ncomptime COLUMN_VECTOR = 4\n", CLOCK, ""),
-    ("    start_copies(plan_of(0), place_of_unit(unit), 0, True)\n", START, ""),
+    ("    if dependent_i32 != 0:\n", START, ""),
+    ("    # The first unit's ids, and the second unit, which no block has to wait to claim.\n",
+     "    end_phase(5)\n", ""),
     ("        # held[m] is state row m * 8 + lane of the thread's four columns.\n", "        end_phase(0)\n", ""),
     ("        barrier()  # the state tile is free, the norms are written, the ids are in\n", "",
      "        end_phase(1)\n"),

@@ -26,7 +26,6 @@ on the CPU the graphs are built (not compiled).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import cache
 
@@ -175,14 +174,15 @@ GRAPHS = [("plain", v) for v in sorted(set(PLAIN_OF.values()))] + [("speculative
 
 @cache
 def compiled_graphs() -> dict[tuple[str, str], Model]:
-    """Every graph, built one after another (``patched`` swaps module names while a graph
-    is built), then compiled side by side: MAX compiles each on its own thread."""
-    gpu = Accelerator()
-    built = {key: (plain_graph if key[0] == "plain" else speculative_graph)(key[1]) for key in GRAPHS}
-    with ThreadPoolExecutor(len(built)) as pool:
-        loading = {key: pool.submit(InferenceSession(devices=[gpu]).load, graph, weights_registry=model.state_dict())
-                   for key, (graph, model) in built.items()}
-        return {key: future.result() for key, future in loading.items()}
+    """Every graph, built and compiled one after another: ``patched`` swaps module names
+    while a graph is built, and compiling a graph that holds weights needs MAX's MLIR
+    context, which a worker thread does not have."""
+    session = InferenceSession(devices=[Accelerator()])
+    compiled = {}
+    for key in GRAPHS:
+        graph, model = (plain_graph if key[0] == "plain" else speculative_graph)(key[1])
+        compiled[key] = session.load(graph, weights_registry=model.state_dict())
+    return compiled
 
 
 def compiled(kind: str, variant: str) -> Model:

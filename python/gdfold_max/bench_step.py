@@ -29,6 +29,7 @@ RING_LEN tokens per request and RING_LEN - 1 records accepted.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -284,7 +285,9 @@ def run_step_bench(
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, chain, tiling)
     dtypes = list(dtypes)
     console.print("compiling the step graphs ...")
+    started = time.perf_counter()
     graphs.compile_all(graph_variants, dtypes)
+    console.print(f"compiled in {time.perf_counter() - started:.0f} s")
     variants = [*graph_variants, *(["fla"] if fla is not None else [])]
     rows: list[StepRow] = []
     for state_dtype, batch in sweep(dtypes, list(batches), console, "step"):

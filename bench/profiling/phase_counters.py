@@ -109,8 +109,9 @@ def patched_kernels(source: Path, into: Path) -> Path:
         if text.count(find) != 1:
             raise SystemExit(f"window_gpu.mojo: expected one line {find.strip()!r}, found {text.count(find)}")
         text = text.replace(find, before + find + after)
-    if not text.rstrip().endswith("store_state(rounded_to[state_dtype](held))"):
-        raise SystemExit("window_gpu.mojo: the kernel no longer ends with its commit; cannot append the counters")
+    if not text.rstrip().endswith("wait_bulk_copies_read()"):
+        raise SystemExit("window_gpu.mojo: the kernel no longer ends with its wait for the last tile's store;"
+                         " cannot append the counters")
     kernel.write_text(text.rstrip() + "\n" + FINISH)
     return target
 

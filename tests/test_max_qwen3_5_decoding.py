@@ -178,11 +178,11 @@ def compiled_graphs() -> dict[tuple[str, str], Model]:
     while a graph is built, and compiling a graph that holds weights needs MAX's MLIR
     context, which a worker thread does not have."""
     session = InferenceSession(devices=[Accelerator()])
-    compiled = {}
+    models = {}
     for key in GRAPHS:
         graph, model = (plain_graph if key[0] == "plain" else speculative_graph)(key[1])
-        compiled[key] = session.load(graph, weights_registry=model.state_dict())
-    return compiled
+        models[key] = session.load(graph, weights_registry=model.state_dict())
+    return models
 
 
 def compiled(kind: str, variant: str) -> Model:

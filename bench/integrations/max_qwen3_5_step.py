@@ -16,11 +16,17 @@ and is left out of the step. A step is one call of a compiled graph, best of
 differences are the state ops'.
 
     python bench/integrations/max_qwen3_5_step.py [--layers 8] [--batches 1,8,64] [--dtype bfloat16]
+        [--lock FILE]
+
+With ``--lock FILE`` the timing waits for an exclusive lock on FILE, so that runs for
+several dtypes (or other benchmarks holding the same lock) compile side by side but time
+one at a time on a quiet GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import time
 from contextlib import nullcontext
 
@@ -104,6 +110,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--lock", help="time only while holding an exclusive lock on this file")
     args = parser.parse_args()
     dtype = getattr(DType, args.dtype)
     np_dtype = ml_dtypes.bfloat16 if dtype == DType.bfloat16 else np.float32
@@ -117,6 +124,11 @@ def main() -> None:
         graph, stack = step_graph(variant, args.layers, dtype, stride, weights)
         models[variant] = session.load(graph, weights_registry=stack.state_dict())
         print(f"[{time.perf_counter() - started:5.0f} s] compiled {variant}", flush=True)
+    if args.lock:
+        # Held until the process exits: the timing below is this process's last work.
+        lock = open(args.lock, "a")  # noqa: SIM115
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print(f"[{time.perf_counter() - started:5.0f} s] timing", flush=True)
     rng = np.random.default_rng(1)
     conv_dim = 2 * NK * HEAD + NV * HEAD
     print(f"{args.layers} Gated DeltaNet layers, Qwen3-Next shapes, {dtype.name} model and pools, window {WINDOW},"

@@ -1,15 +1,17 @@
 """Where a block of the fused verify spends its time, phase by phase, measured inside the
 kernel with the SM's cycle counter:
 
-    python bench/profiling/phase_counters.py [--batch N] [--layers N] [--kernels DIR] [--column-tile T]
-                                   [--requests-per-block R] [--clock-ghz F] [--raw CSV]
+    python bench/profiling/phase_counters.py [--batch N] [--layers N] [--dtype float32|bfloat16]
+                                   [--kernels DIR] [--column-tile T] [--requests-per-block R]
+                                   [--clock-ghz F] [--raw CSV]
 
 A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) is patched
 in a temporary folder: at the end of each phase of a unit (the numbered steps of
 ``window_gpu.mojo``) every thread adds the cycles since the last mark to that phase's
 total, and at the end threads 0 and 64 write their totals over the readout of the block's
 first unit's first token (so the readout is wrong; the pool and ring are not touched). One
-step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool; the last
+step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool (or
+``--dtype bfloat16``); the last
 layer's blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch,
 thread 64 does not: the two columns show what that costs warp 0. The counters cost the
 kernel registers (ptxas: about 50 bytes of spills more than the kernel's own), so the
@@ -120,6 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pool's dtype")
     parser.add_argument("--kernels", type=Path, default=Path(__file__).resolve().parents[2] / "mojo")
     parser.add_argument("--column-tile", type=int, default=64)
     parser.add_argument("--requests-per-block", type=int, default=None,
@@ -131,15 +134,16 @@ def main() -> None:
         parser.error(f"--column-tile: thread 64 and 16 counter columns need 64 or more, got {args.column_tile}")
 
     shape = FoldShape(num_layers=args.layers)
+    state_dtype = getattr(DType, args.dtype)
     block_columns = shape.num_value_heads * (shape.value_dim // args.column_tile)
     tiling = {"column_tile": args.column_tile, "requests_per_block": args.requests_per_block}
     device = Accelerator()
     with tempfile.TemporaryDirectory() as scratch:
         graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2, tiling,
                             kernels=patched_kernels(args.kernels, Path(scratch)))
-        graphs.compile_all(["fused"], [DType.float32], chained=False)
-    operands = make_step_operands(device, shape, args.batch, DType.float32)
-    model = graphs.model("fused", DType.float32, 1)
+        graphs.compile_all(["fused"], [state_dtype], chained=False)
+    operands = make_step_operands(device, shape, args.batch, state_dtype)
+    model = graphs.model("fused", state_dtype, 1)
     for _ in range(3):  # the last run's counters are read
         (readout,) = model.execute(*operands)
     report(np.asarray(readout.to(CPU()).to_numpy()), shape, block_columns, args)

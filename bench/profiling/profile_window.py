@@ -2,9 +2,10 @@
 profiler can attach to it:
 
     ncu --launch-skip 2 --launch-count 1 --set full \\
-        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH
+        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH [DTYPE]
 
-REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default).
+REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default). DTYPE is the pool's,
+float32 (the default) or bfloat16.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 def main() -> None:
     tile, requests, batch = (int(arg) for arg in sys.argv[1:4])
+    state_dtype = getattr(DType, sys.argv[4] if len(sys.argv) > 4 else "float32")
     shape = FoldShape(num_layers=1)
     device = Accelerator()
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
                         {"column_tile": tile, "requests_per_block": requests or None})
-    graphs.compile_all(["fused"], [DType.float32])
-    operands = make_step_operands(device, shape, batch, DType.float32)
-    model = graphs.model("fused", DType.float32, 1)
+    graphs.compile_all(["fused"], [state_dtype])
+    operands = make_step_operands(device, shape, batch, state_dtype)
+    model = graphs.model("fused", state_dtype, 1)
     for _ in range(3):
         model.execute(*operands)
     device.synchronize()

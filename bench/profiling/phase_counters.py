@@ -11,8 +11,7 @@ in a temporary folder: at the end of each phase of a unit (the numbered steps of
 total, and at the end threads 0 and 64 write their totals over the readout of the block's
 first unit's first token (so the readout is wrong; the pool and ring are not touched). One
 step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool (or
-``--dtype bfloat16``); the last
-layer's blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch,
+``--dtype bfloat16``); the last layer's blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch,
 thread 64 does not: the two columns show what that costs warp 0. The counters cost the
 kernel registers (ptxas: about 50 bytes of spills more than the kernel's own), so the
 whole is a little slower than the kernel timed alone; compare its parts, not its total,

@@ -22,12 +22,15 @@ from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 def main() -> None:
     tile, requests, batch = (int(arg) for arg in sys.argv[1:4])
-    state_dtype = getattr(DType, sys.argv[4] if len(sys.argv) > 4 else "float32")
+    dtype_name = sys.argv[4] if len(sys.argv) > 4 else "float32"
+    if dtype_name not in ("float32", "bfloat16"):
+        sys.exit(f"DTYPE: float32 or bfloat16, got {dtype_name!r}")
+    state_dtype = getattr(DType, dtype_name)
     shape = FoldShape(num_layers=1)
     device = Accelerator()
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
                         {"column_tile": tile, "requests_per_block": requests or None})
-    graphs.compile_all(["fused"], [state_dtype])
+    graphs.compile_all(["fused"], [state_dtype], chained=False)
     operands = make_step_operands(device, shape, batch, state_dtype)
     model = graphs.model("fused", state_dtype, 1)
     for _ in range(3):

@@ -70,9 +70,9 @@ def main() -> None:
                                                           {"gpu_path": args.copy_path}, kernels=folder.resolve())
     replay = not args.eager
     console.print("compiling ...")
-    anchors.compile_all(["max"], [state_dtype])
+    anchors.compile_all(["max"], [state_dtype], chained=not replay)
     for graphs in by_path.values():
-        graphs.compile_all(args.ours, [state_dtype])
+        graphs.compile_all(args.ours, [state_dtype], chained=not replay)
     fla = None
     if not args.no_fla:
         from gdfold_max.fla_anchor import FlaSteps, fla_missing

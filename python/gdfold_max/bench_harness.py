@@ -88,8 +88,9 @@ def best_seconds(run: Callable[[], None], repeats: int) -> float:
 def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
     """Compiles graphs several at a time, one per core (at least four): a compile keeps
     about one core busy, and the step benchmark's sixteen graphs of 36 and 72 layers
-    took over seven minutes four at a time on a 16-core GPU host. Build them first, one
-    after another: building shares the kernel package cache."""
+    took over seven minutes four at a time on a 16-core GPU host (and over nine, sixteen
+    at a time, beside two other compiling processes). Build them first, one after
+    another: building shares the kernel package cache."""
     workers = max(4, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=min(workers, max(1, len(graphs)))) as pool:
         return list(pool.map(session.load, graphs))
@@ -109,7 +110,7 @@ class ChainedGraphs:
 
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
         """Compiles, several at a time, the graphs of one link and, when ``chained``, of
-        ``chain`` links."""
+        ``chain`` links (which only ``per_link_seconds`` without ``replay`` runs)."""
         lengths = (1, self.chain) if chained else (1,)
         keys = [(v, d, n) for v in variants for d in dtypes for n in lengths]
         models = load_in_parallel(self.session, [self.build(*k) for k in keys])
@@ -124,34 +125,43 @@ class ChainedGraphs:
 
     def per_link_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
                          replay: bool = False) -> float:
-        """(t_R - t_1) / (R - 1) over the graphs of R = ``chain`` links and of one.
+        """The time of one link, (t_R - t_1) / (R - 1) with R = ``chain``: the difference
+        drops the fixed cost of starting and synchronising.
 
-        With ``replay`` each graph is captured once as a device graph (``Model.capture``)
-        and its replays are timed, as MAX's pipelines run their decoding steps: the host's
-        cost of launching each kernel then drops out, as it does for FLA's CUDA graphs."""
-        def timed(links: int) -> float:
-            model = self.model(variant, state_dtype, links)
-            if not replay:
+        With ``replay`` the graph of one link is captured once as a device graph
+        (``Model.capture``) and t_n is the time of n replays back to back, as MAX's
+        pipelines replay one graph per decoding step: the host's cost of launching each
+        kernel drops out, as it does for FLA's CUDA graphs, and only the one-link graph is
+        compiled. Without, t_n is one ``execute()`` of the graph of n chained links."""
+        if replay:
+            model = self.model(variant, state_dtype, 1)
+            key = next(self._capture_keys)
+            outputs = model.capture(key, *operands)
+
+            def replays(count: int) -> float:
+                def run() -> None:
+                    for _ in range(count):
+                        model.replay(key, *operands)
+                    self.device.synchronize()
+
+                return best_seconds(run, repeats)
+
+            try:
+                one, many = replays(1), replays(self.chain)
+            finally:
+                del outputs
+                model.release_captured_graph(key)
+        else:
+            def executed(links: int) -> float:
+                model = self.model(variant, state_dtype, links)
+
                 def run() -> None:
                     model.execute(*operands)
                     self.device.synchronize()
 
                 return best_seconds(run, repeats)
-            key = next(self._capture_keys)
-            outputs = model.capture(key, *operands)
 
-            def run_replay() -> None:
-                model.replay(key, *operands)
-                self.device.synchronize()
-
-            try:
-                return best_seconds(run_replay, repeats)
-            finally:
-                del outputs
-                model.release_captured_graph(key)
-
-        one = timed(1)
-        many = timed(self.chain)
+            one, many = executed(1), executed(self.chain)
         return max(many - one, 0.0) / (self.chain - 1)
 
 

@@ -85,7 +85,8 @@ class StepRow:
 
 
 class StepGraphs(ChainedGraphs):
-    """Compiled graphs of 1 and R chained decoding steps for each graph variant.
+    """Compiled graphs of 1 and R chained decoding steps for each graph variant (the
+    graph of one step alone where the steps are timed by replay).
 
     ``kernels`` is the Mojo package our variants use (default: the installed one); graphs
     of several packages can live in one session, so that kernel versions are timed side
@@ -178,8 +179,9 @@ class StepGraphs(ChainedGraphs):
 
     def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
                          replay: bool = False) -> float:
-        """(t_R - t_1) / (R - 1) over graphs of R chained steps and of one (``replay``:
-        captured device graphs, see ``ChainedGraphs.per_link_seconds``)."""
+        """(t_R - t_1) / (R - 1) over R steps and one: R replays of the captured graph of
+        one step with ``replay``, else graphs of R chained steps (see
+        ``ChainedGraphs.per_link_seconds``)."""
         return self.per_link_seconds(variant, state_dtype, operands, repeats, replay)
 
 
@@ -286,7 +288,7 @@ def run_step_bench(
     dtypes = list(dtypes)
     console.print("compiling the step graphs ...")
     started = time.perf_counter()
-    graphs.compile_all(graph_variants, dtypes)
+    graphs.compile_all(graph_variants, dtypes, chained=not replay)
     console.print(f"compiled in {time.perf_counter() - started:.0f} s")
     variants = [*graph_variants, *(["fla"] if fla is not None else [])]
     rows: list[StepRow] = []

@@ -8,7 +8,8 @@ kernel with the SM's cycle counter:
 A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) is patched
 in a temporary folder: at the end of each phase of a unit (the numbered steps of
 ``window_gpu.mojo``) every thread adds the cycles since the last mark to that phase's
-total, and at the end threads 0 and 64 write their totals over the readout of the block's
+total (the first unit's ids and the issue of its copies apart from the wait for them), and
+at the end threads 0 and 64 write their totals over the readout of the block's
 first unit's first token (so the readout is wrong; the pool and ring are not touched). One
 step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool (or
 ``--dtype bfloat16``); the last layer's blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch,
@@ -39,12 +40,13 @@ from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
 
 PHASES = (
-    "ids, copies issued and waited for, barrier 1",
+    "copies waited for, barrier 1 (and next ids)",
     "state tile to registers, norms, barrier 2",
     "next unit's copies issued, L2 prefetch",
     "fold on load and the folded tile's store",
     "tokens",
     "before the first unit: L2 hint, previous kernel",
+    "first unit: its ids read, its copies issued",
 )
 # Where thread 0's and thread 64's counters land among the block's first readout columns.
 WRITERS = {"thread 0": 0, "thread 64": 16}
@@ -77,19 +79,20 @@ FINISH = '''
         var request, block_column = divide(first_unit, block_columns)
         var at = Int(offsets[unsafe_offset=request]) * readout_width + block_column * COLUMN_TILE
         at += 0 if tid == 0 else 16
-        for phase in range(6):
+        for phase in range(PHASES):
             readout[unsafe_offset=at + phase] = Float32(phase_cycles[phase])
-        readout[unsafe_offset=at + 6] = Float32(clock_cycles() - kernel_start)
-        readout[unsafe_offset=at + 7] = Float32(step)
+        readout[unsafe_offset=at + PHASES] = Float32(clock_cycles() - kernel_start)
+        readout[unsafe_offset=at + PHASES + 1] = Float32(step)
         var sm = inlined_assembly["mov.u32 $0, %smid;", UInt32, constraints="=r", has_side_effect=True]()
-        readout[unsafe_offset=at + 8] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
-'''
+        readout[unsafe_offset=at + PHASES + 2] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
+'''.replace("PHASES", str(len(PHASES)))
 # (text to find, text to put before it, text to put after it)
 EDITS = (
     ("\ncomptime COLUMN_VECTOR = 4\n", CLOCK, ""),
     ("    if dependent_i32 != 0:\n", START, ""),
     ("    # The first unit's ids, and the second unit, which no block has to wait to claim.\n",
      "    end_phase(5)\n", ""),
+    ("    var step = 0  # the block's units so far\n", "    end_phase(6)\n", ""),
     ("        # held[m] is state row m * 8 + lane of the thread's four columns.\n", "        end_phase(0)\n", ""),
     ("        barrier()  # the state tile is free, the norms are written, the ids are in\n", "",
      "        end_phase(1)\n"),

@@ -12,8 +12,9 @@ total (the first unit's ids and the issue of its copies apart from the wait for 
 at the end threads 0 and 64 write their totals over the readout of the block's
 first unit's first token (so the readout is wrong; the pool and ring are not touched). One
 step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool (or
-``--dtype bfloat16``); the last layer's blocks are read. Thread 0 issues the tile's tensor copies and the L2 prefetch,
-thread 64 does not: the two columns show what that costs warp 0. The counters cost the
+``--dtype bfloat16``); the last layer's blocks are read. Thread 0 issues the tile's
+tensor copies and the L2 prefetch, thread 64 does not: the two columns show what that
+costs warp 0. The counters cost the
 kernel registers (ptxas: about 50 bytes of spills more than the kernel's own), so the
 whole is a little slower than the kernel timed alone; compare its parts, not its total,
 with the step benchmark.
@@ -51,6 +52,8 @@ PHASES = (
 # Where thread 0's and thread 64's counters land among the block's first readout columns.
 WRITERS = {"thread 0": 0, "thread 64": 16}
 TOTAL_AT, UNITS_AT, SM_AT = len(PHASES), len(PHASES) + 1, len(PHASES) + 2
+# The kernel keeps the phases' cycles in one SIMD[uint32, 8] (START).
+assert len(PHASES) <= 8, "more phases than the kernel's counter vector holds"
 # Thread 64 writes the grid's size where thread 0 writes its SM: block 0's is read back,
 # so the report needs no copy of the launch's grid arithmetic.
 GRID_AT = WRITERS["thread 64"] + SM_AT
@@ -73,19 +76,19 @@ START = '''    var phase_cycles = SIMD[DType.uint32, 8](0)
         phase_mark = now
 
 '''
-FINISH = '''
+FINISH = f'''
 
     if tid == 0 or tid == 64:
         var request, block_column = divide(first_unit, block_columns)
         var at = Int(offsets[unsafe_offset=request]) * readout_width + block_column * COLUMN_TILE
         at += 0 if tid == 0 else 16
-        for phase in range(PHASES):
+        for phase in range({len(PHASES)}):
             readout[unsafe_offset=at + phase] = Float32(phase_cycles[phase])
-        readout[unsafe_offset=at + PHASES] = Float32(clock_cycles() - kernel_start)
-        readout[unsafe_offset=at + PHASES + 1] = Float32(step)
+        readout[unsafe_offset=at + {TOTAL_AT}] = Float32(clock_cycles() - kernel_start)
+        readout[unsafe_offset=at + {UNITS_AT}] = Float32(step)
         var sm = inlined_assembly["mov.u32 $0, %smid;", UInt32, constraints="=r", has_side_effect=True]()
-        readout[unsafe_offset=at + PHASES + 2] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
-'''.replace("PHASES", str(len(PHASES)))
+        readout[unsafe_offset=at + {SM_AT}] = Float32(sm) if tid == 0 else Float32(grid_dim.x)
+'''
 # (text to find, text to put before it, text to put after it)
 EDITS = (
     ("\ncomptime COLUMN_VECTOR = 4\n", CLOCK, ""),

@@ -187,7 +187,9 @@ def bench(
 def bench_step(
     batches: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,64,256",
     dtypes: Annotated[str, typer.Option(help="State dtypes.")] = "float32",
-    chain: Annotated[int, typer.Option(help="Steps chained in the long graph.")] = 3,
+    chain: Annotated[int, typer.Option(
+        help="Steps timed against one: replays of the one-step graph back to back, or with --no-replay"
+             " steps chained in the long graph.")] = 3,
     repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
     rounds: Annotated[int, typer.Option(help="Rounds of every variant in turn; the median counts.")] = 1,
     column_tile: Annotated[int | None, typer.Option(help="Value columns per GPU block of our verify.")] = None,

@@ -6,8 +6,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
-from gdfold_max.bench_harness import Rounds, measure_rounds, ratio, times, write_json
+import pytest
+from max.dtype import DType
+
+from gdfold_max.bench_harness import Rounds, compile_together, measure_rounds, ratio, times, write_json
 
 
 @dataclass
@@ -48,3 +52,12 @@ def test_ratio_and_its_text() -> None:
     assert ratio(3.0, 1.5) == 2.0
     assert math.isnan(ratio(float("nan"), 1.0)) and math.isnan(ratio(1.0, 0.0))
     assert times(2.0) == "2.00x" and times(float("nan")) == "-"
+
+
+def test_compile_together_refuses_sets_of_two_sessions() -> None:
+    """The graph sets compile in one pool of one session; sets of two sessions are refused
+    before anything compiles."""
+    first = SimpleNamespace(session=object(), chain=2)
+    second = SimpleNamespace(session=object(), chain=2)
+    with pytest.raises(ValueError, match="one session, got 2"):
+        compile_together([(first, "max"), (second, "fused")], [DType.float32])

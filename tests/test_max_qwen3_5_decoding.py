@@ -51,6 +51,10 @@ from gdfold_max.eager_base import copy_back  # noqa: E402
 from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 from gdfold_max.layout import RecordLayout  # noqa: E402
 
+#: One xdist worker runs this file's GPU tests under ``--dist loadgroup``: they share six
+#: compiled graphs, compiled one after another, which several workers would each repeat.
+pytestmark = pytest.mark.xdist_group("max_qwen3_5_decoding")
+
 HIDDEN, NK, NV, HEAD, CONV, LAYERS, VOCAB = 256, 2, 4, 128, 4, 2, 64
 BATCH, DRAFTS, PROMPT, NEW_TOKENS = 3, 3, 3, 12
 WINDOW = 1 + DRAFTS

@@ -31,7 +31,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from rich.console import Console
 
-from gdfold_max.bench_harness import FoldShape, measure_rounds
+from gdfold_max.bench_harness import FoldShape, compile_together, measure_rounds
 from gdfold_max.bench_step import StepGraphs, make_step_operands, step_host_inputs
 
 PATHS = ("latency", "throughput")
@@ -70,9 +70,8 @@ def main() -> None:
                                                           {"gpu_path": args.copy_path}, kernels=folder.resolve())
     replay = not args.eager
     console.print("compiling ...")
-    anchors.compile_all(["max"], [state_dtype], chained=not replay)
-    for graphs in by_path.values():
-        graphs.compile_all(args.ours, [state_dtype], chained=not replay)
+    compile_together([(anchors, "max"), *((graphs, v) for graphs in by_path.values() for v in args.ours)],
+                     [state_dtype], chained=not replay)
     fla = None
     if not args.no_fla:
         from gdfold_max.fla_anchor import FlaSteps, fla_missing

@@ -96,6 +96,23 @@ def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list
         return list(pool.map(session.load, graphs))
 
 
+def compile_together(jobs: Sequence[tuple[ChainedGraphs, str]], dtypes: Sequence[DType],
+                     chained: bool = True) -> None:
+    """Compiles the graphs of every (graph set, variant) of ``jobs`` in one pool, so that
+    sets built on one session (the anchors, each GPU path, each copy of the kernels)
+    compile side by side rather than set after set."""
+    keyed = [(graphs, (variant, dtype, links)) for graphs, variant in jobs for dtype in dtypes
+             for links in ((1, graphs.chain) if chained else (1,))]
+    sessions = {id(graphs.session) for graphs, _ in keyed}
+    if len(sessions) > 1:
+        raise ValueError(f"compile_together: the graph sets must share one session, got {len(sessions)}")
+    if not keyed:
+        return
+    models = load_in_parallel(keyed[0][0].session, [graphs.build(*key) for graphs, key in keyed])
+    for (graphs, key), model in zip(keyed, models, strict=True):
+        graphs._models[key] = model
+
+
 class ChainedGraphs:
     """Compiled graphs of 1 and ``chain`` chained links of each (variant, state dtype) on
     one device. Subclasses say how a graph of n links is built."""
@@ -111,10 +128,7 @@ class ChainedGraphs:
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
         """Compiles, several at a time, the graphs of one link and, when ``chained``, of
         ``chain`` links (which only ``per_link_seconds`` without ``replay`` runs)."""
-        lengths = (1, self.chain) if chained else (1,)
-        keys = [(v, d, n) for v in variants for d in dtypes for n in lengths]
-        models = load_in_parallel(self.session, [self.build(*k) for k in keys])
-        self._models.update(zip(keys, models, strict=True))
+        compile_together([(self, v) for v in variants], dtypes, chained)
 
     def model(self, variant: str, state_dtype: DType, links: int) -> Model:
         """The graph of ``links`` links, compiled on first use."""

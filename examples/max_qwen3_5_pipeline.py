@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import tempfile
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def hf_config() -> dict:
         "linear_num_key_heads": KEY_HEADS, "linear_num_value_heads": VALUE_HEADS,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                            "mrope_section": [6, 5, 5], "mrope_interleaved": True},
         "attn_output_gate": True, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
         "eos_token_id": special_id("<|im_end|>"), "dtype": "float32",
     }
@@ -225,10 +226,14 @@ def main() -> None:
                   " resolve, decoding needs a GPU")
             return
         prompts = [[int(t) for t in np.random.default_rng(b).integers(0, FIRST_SPECIAL, 5 + b)] for b in range(3)]
-        plain = greedy_tokens(folder, 0, device, prompts, args.new_tokens)
-        speculative = greedy_tokens(folder, args.drafts, device, prompts, args.new_tokens)
-        patched = greedy_tokens(folder, args.drafts, device, prompts, args.new_tokens, patched=True)
-        for name, tokens in (("speculative, MAX's fold", speculative), ("speculative, patched()", patched)):
+        started = time.perf_counter()
+        runs: dict[str, np.ndarray] = {}
+        for name, drafts, under_patch in (("plain", 0, False), ("speculative, MAX's fold", args.drafts, False),
+                                          ("speculative, patched()", args.drafts, True)):
+            runs[name] = greedy_tokens(folder, drafts, device, prompts, args.new_tokens, patched=under_patch)
+            print(f"{name}: built and decoded at {time.perf_counter() - started:.0f} s", flush=True)
+        plain = runs.pop("plain")
+        for name, tokens in runs.items():
             same = np.array_equal(tokens, plain)
             print(f"{name}: {'the same tokens as plain decoding' if same else 'tokens DIFFER from plain'}")
             if not same:

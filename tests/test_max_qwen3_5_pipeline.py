@@ -1,6 +1,7 @@
 """MAX's full Qwen3.5 MTP pipeline from the tiny offline checkpoint of
 ``examples/max_qwen3_5_pipeline.py``: on the CPU, MAX's registry takes the checkpoint (the
-fused MTP architecture when speculation is asked for); on a GPU, greedy decoding gives the
+fused MTP architecture when speculation is asked for) and MAX's Qwen3.5 modules
+construct from it; on a GPU, greedy decoding gives the
 same tokens plain, speculative with MAX's fold, and speculative under ``patched()``."""
 
 from __future__ import annotations
@@ -26,6 +27,37 @@ def test_the_checkpoint_resolves_to_max_s_mtp_architecture(example: dict, tmp_pa
     folder = example["write_checkpoint"](tmp_path / "tiny")
     assert example["architecture_of"](folder, 0, "cpu") == "Qwen3_5ForConditionalGeneration"
     assert example["architecture_of"](folder, 3, "cpu") == "UnifiedMTPQwen3_5ForConditionalGeneration"
+
+
+def test_the_checkpoint_builds_max_s_qwen3_5_and_mtp_modules(example: dict, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX's plain and fused-MTP Qwen3.5 modules construct from the checkpoint's config, as
+    the GPU pipelines construct them: constructing checks the config against the shapes
+    (the rotary sections against the head width, the heads against the weights). Each
+    layer's ``Allreduce`` opens one accelerator per device at construction; with no GPU
+    here it is given the CPU instead, which it would use only in a graph."""
+    import max.nn.comm.allreduce as allreduce
+    from max.driver import CPU
+    from max.graph.weights import load_weights
+    from max.pipelines.architectures.qwen3_5.model_config import Qwen3_5Config
+    from max.pipelines.architectures.qwen3_5.qwen3_5 import Qwen3_5
+    from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import UnifiedMTPQwen3_5
+
+    monkeypatch.setattr(allreduce, "Accelerator", lambda id: CPU())
+    folder = example["write_checkpoint"](tmp_path / "tiny")
+    pipeline = example["pipeline_config"](folder, 3, "cpu")
+    config = Qwen3_5Config.initialize(pipeline, max_seq_len=256)
+    state = {name: weight.data() for name, weight in load_weights([folder / "model.safetensors"]).items()}
+    config.finalize(huggingface_config=Qwen3_5Config._get_text_config(pipeline.model.huggingface_config),
+                    state_dict=state, return_logits=None, norm_method="rms_norm", attention_bias=False)
+    plain = Qwen3_5(config)
+    assert len(plain.linear_layer_indices) == example["LAYERS"] - 1
+    # As MAX's fused MTP model readies the config: no subgraphs, no vision tower.
+    config.use_subgraphs = False
+    config.mrope_without_encoder = config.vision_config is not None
+    config.vision_config = None
+    assert pipeline.needs_bitmask_constraints and not pipeline.speculative.use_greedy_acceptance
+    UnifiedMTPQwen3_5(config, speculative_config=pipeline.speculative, enable_structured_output=True)
 
 
 @pytest.mark.gpu

@@ -12,14 +12,16 @@ from mojo.window_gpu import windows_gpu_kernel
 from mojo.window_gpu_latency import windows_gpu_latency_kernel
 
 
-def emit[state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int]():
+def emit[
+    state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int, RECORD: Bool = True
+]():
     print(
         "// window kernel:", state_dtype, "K = V =", K,
-        "fold on load" if FOLD_PREVIOUS else "verify", "tile", COLUMN_TILE,
+        "fold on load" if FOLD_PREVIOUS else ("verify" if RECORD else "forward"), "tile", COLUMN_TILE,
     )
     print(
         _compile_code[
-            windows_gpu_kernel[state_dtype, K, K, 4, True, FOLD_PREVIOUS, COLUMN_TILE],
+            windows_gpu_kernel[state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, COLUMN_TILE],
             target=get_gpu_target["sm_90a"](),
         ]().asm
     )
@@ -53,4 +55,5 @@ def main():
     emit[DType.float32, 128, True, 64]()
     emit[DType.float32, 128, False, 64]()
     emit[DType.bfloat16, 128, True, 64]()
+    emit[DType.bfloat16, 128, False, 64, False]()
     emit[DType.float32, 256, True, 64]()

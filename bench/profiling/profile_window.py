@@ -1,11 +1,13 @@
-"""Runs one layer's fused verify (fold on load) at Qwen3-Next shapes, three times, so a
-profiler can attach to it:
+"""Runs one layer's fused verify (fold on load) or forward at Qwen3-Next shapes, three
+times, so a profiler can attach to it:
 
     ncu --launch-skip 2 --launch-count 1 --set full \\
-        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH [DTYPE]
+        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH [DTYPE [VARIANT]]
 
 REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default). DTYPE is the pool's,
-float32 (the default) or bfloat16.
+float32 (the default) or bfloat16. VARIANT is `fused` (the default) or `forward`: the
+same kernel without records, whose counts beside the fused one's say what the records
+cost.
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ def main() -> None:
     dtype_name = sys.argv[4] if len(sys.argv) > 4 else "float32"
     if dtype_name not in ("float32", "bfloat16"):
         sys.exit(f"DTYPE: float32 or bfloat16, got {dtype_name!r}")
+    variant = sys.argv[5] if len(sys.argv) > 5 else "fused"
+    if variant not in ("fused", "forward"):
+        sys.exit(f"VARIANT: fused or forward, got {variant!r}")
     state_dtype = getattr(DType, dtype_name)
     shape = FoldShape(num_layers=1)
     device = Accelerator()
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
                         {"column_tile": tile, "requests_per_block": requests or None})
-    graphs.compile_all(["fused"], [state_dtype], chained=False)
+    graphs.compile_all([variant], [state_dtype], chained=False)
     operands = make_step_operands(device, shape, batch, state_dtype)
-    model = graphs.model("fused", state_dtype, 1)
+    model = graphs.model(variant, state_dtype, 1)
     for _ in range(3):
         model.execute(*operands)
     device.synchronize()

@@ -56,4 +56,5 @@ def main():
     emit[DType.float32, 128, False, 64]()
     emit[DType.bfloat16, 128, True, 64]()
     emit[DType.bfloat16, 128, False, 64, False]()
+    emit[DType.bfloat16, 128, True, 128]()
     emit[DType.float32, 256, True, 64]()

@@ -6,7 +6,8 @@
 # MOJO_PACKAGE_DIR is a folder that holds a copy of mojo/ to check (default: this
 # checkout). Needs the `mojo` of the installed MAX on PATH (or in $MOJO) and ptxas from a
 # CUDA toolkit (or in $PTXAS). With nvdisasm on PATH (or in $NVDISASM) it also lists the
-# kernel's arithmetic loops and the spill instructions in each (bench/profiling/sass_loops.py).
+# kernel's arithmetic loops and the spill instructions in each (bench/profiling/sass_loops.py);
+# with SASS_KINDS=1 also each loop's instructions outside its inner loops, by kind.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 package_dir=$(cd "${1:-$root}" && pwd)
@@ -28,6 +29,6 @@ for title in "$work"/*.title; do
     nvdisasm=${NVDISASM:-$(command -v nvdisasm || true)}
     if [ -n "$nvdisasm" ]; then
         "$nvdisasm" -c "$work/kernel.cubin" > "$work/kernel.sass"
-        "${PYTHON:-python3}" "$root/bench/profiling/sass_loops.py" "$work/kernel.sass"
+        "${PYTHON:-python3}" "$root/bench/profiling/sass_loops.py" "$work/kernel.sass" ${SASS_KINDS:+--kinds}
     fi
 done

@@ -11,7 +11,15 @@ from types import SimpleNamespace
 import pytest
 from max.dtype import DType
 
-from gdfold_max.bench_harness import Rounds, compile_together, measure_rounds, ratio, times, write_json
+from gdfold_max.bench_harness import (
+    Rounds,
+    compile_together,
+    measure_rounds,
+    per_link_from,
+    ratio,
+    times,
+    write_json,
+)
 
 
 @dataclass
@@ -61,3 +69,15 @@ def test_compile_together_refuses_sets_of_two_sessions() -> None:
     second = SimpleNamespace(session=object(), chain=2)
     with pytest.raises(ValueError, match="one session, got 2"):
         compile_together([(first, "max"), (second, "fused")], [DType.float32])
+
+
+def test_per_link_differences_the_long_run_against_one_link() -> None:
+    """(t_R - t_1) / (R - 1), never below zero; t_1 is timed before t_R."""
+    asked: list[int] = []
+
+    def time_of(links: int) -> float:
+        asked.append(links)
+        return 0.5 + 2.0 * links
+
+    assert per_link_from(time_of, 3) == 2.0 and asked == [1, 3]
+    assert per_link_from(lambda links: 5.0 - links, 4) == 0.0

@@ -85,6 +85,14 @@ def best_seconds(run: Callable[[], None], repeats: int) -> float:
     return best
 
 
+def per_link_from(time_of: Callable[[int], float], chain: int) -> float:
+    """The time of one link from ``time_of(n)``, the time of n links: (t_R - t_1) / (R - 1)
+    with R = ``chain``, so the fixed cost of starting and synchronising drops out. Ours
+    and the anchors (FLA's CUDA graphs) are differenced by this one rule."""
+    one, many = time_of(1), time_of(chain)
+    return max(many - one, 0.0) / (chain - 1)
+
+
 def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
     """Compiles graphs several at a time, one per core (at least four): a compile keeps
     about one core busy, and the step benchmark's sixteen graphs of 36 and 72 layers
@@ -139,8 +147,7 @@ class ChainedGraphs:
 
     def per_link_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int,
                          replay: bool = False) -> float:
-        """The time of one link, (t_R - t_1) / (R - 1) with R = ``chain``: the difference
-        drops the fixed cost of starting and synchronising.
+        """The time of one link (``per_link_from``, R = ``chain``).
 
         With ``replay`` the graph of one link is captured once as a device graph
         (``Model.capture``) and t_n is the time of n replays back to back, as MAX's
@@ -161,7 +168,7 @@ class ChainedGraphs:
                 return best_seconds(run, repeats)
 
             try:
-                one, many = replays(1), replays(self.chain)
+                return per_link_from(replays, self.chain)
             finally:
                 del outputs
                 model.release_captured_graph(key)
@@ -175,8 +182,7 @@ class ChainedGraphs:
 
                 return best_seconds(run, repeats)
 
-            one, many = executed(1), executed(self.chain)
-        return max(many - one, 0.0) / (self.chain - 1)
+            return per_link_from(executed, self.chain)
 
 
 def ratio(baseline: float, seconds: float) -> float:

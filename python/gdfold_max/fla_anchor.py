@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from max.dtype import DType
 
-from .bench_harness import FoldShape, best_seconds
+from .bench_harness import FoldShape, best_seconds, per_link_from
 
 
 def fla_missing() -> str:
@@ -94,4 +94,4 @@ class FlaSteps:
 
             return best_seconds(run, repeats)
 
-        return lambda: max(timed(self.chain) - timed(1), 0.0) / (self.chain - 1)
+        return lambda: per_link_from(timed, self.chain)

@@ -102,13 +102,14 @@ def main() -> None:
         ffma = sum(bool(re.search(r"\bFFMA\b", text)) for text in body)
         if ffma >= args.min_ffma:
             listed.append((first, last, body, ffma))
+    spans = [(first, last) for first, last, _, _ in listed]
     for first, last, body, ffma in listed:
         spills = sum(bool(re.search(r"\b(LDL|STL)\b", text)) for text in body)
         barriers = sum("BAR.SYNC" in text for text in body)
         print(f"  loop {first:#07x}-{last:#07x}: {len(body):5d} instructions, {ffma:4d} FFMA,"
               f" {barriers:2d} barriers, {spills:3d} spill loads/stores")
         if args.kinds:
-            counts = kinds_outside_inner(instructions, (first, last), [(a, b) for a, b, _, _ in listed])
+            counts = kinds_outside_inner(instructions, (first, last), spans)
             print(f"    outside its inner loops, {sum(counts.values())}: "
                   + ", ".join(f"{kind} {count}" for kind, count in counts.items()))
 

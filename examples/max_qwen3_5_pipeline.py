@@ -22,6 +22,7 @@ script writes the checkpoint, resolves both architectures, and stops there.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -184,23 +185,42 @@ def architecture_of(folder: Path, drafts: int, device: str) -> str:
 def greedy_tokens(folder: Path, drafts: int, device: str, prompts: list[list[int]], new_tokens: int,
                   patched: bool = False) -> np.ndarray:
     """Builds MAX's pipeline (under ``patched()`` if asked: the graph binds the op names
-    while it is built) and decodes the prompts greedily."""
-    from max.pipelines.lib.generate import generate
+    while it is built) and decodes the prompts greedily.
+
+    Qwen3.5 takes ``Qwen3VLTextAndVisionContext`` rows, which MAX's ``generate()`` refuses to
+    build; the pipeline's own tokenizer builds them here, as ``max serve`` and ``max generate``
+    do, and ``GenerateIterator.from_contexts`` steps them."""
+    from max.pipelines.context import SamplingParams
+    from max.pipelines.lib.generate import GenerateIterator
     from max.pipelines.lib.registry import PIPELINE_REGISTRY
 
     from gdfold_max.integrations import max_qwen3_5
 
     retrieved = PIPELINE_REGISTRY.retrieve_factory(pipeline_config(folder, drafts, device))
+    contexts = asyncio.run(prompt_contexts(retrieved.tokenizer, prompts, SamplingParams(
+        top_k=1, max_new_tokens=new_tokens, ignore_eos=True, seed=0)))
     with max_qwen3_5.patched() if patched else nullcontext():
         pipeline = retrieved.factory()
-    result = generate(pipeline, prompts, max_new_tokens=new_tokens, top_k=1, ignore_eos=True)
+    with GenerateIterator.from_contexts(pipeline, contexts) as batch:
+        while not batch.done:
+            batch.step()
+        sequences = batch.sequences
     del pipeline, retrieved
     gc.collect()  # the pipeline's cache goes back before the next one is built
-    rows = [list(row[len(prompt):]) for row, prompt in zip(result.sequences, prompts, strict=True)]
+    rows = [list(row[len(prompt):]) for row, prompt in zip(sequences, prompts, strict=True)]
     if min(len(row) for row in rows) < new_tokens:
         raise SystemExit(f"a request ended early: {[len(row) for row in rows]} new tokens, {new_tokens} asked")
     # A speculative step can accept past the last token asked for; compare what was asked.
     return np.array([row[:new_tokens] for row in rows])
+
+
+async def prompt_contexts(tokenizer, prompts: list[list[int]], sampling):  # noqa: ANN001, ANN201 (MAX's types)
+    """One context per prompt of token ids, built by the pipeline's tokenizer."""
+    from max.pipelines.modeling.types import RequestID, TextGenerationRequest
+
+    return [await tokenizer.new_context(TextGenerationRequest(
+        request_id=RequestID(), model_name="tiny-qwen3_5-mtp", prompt=prompt, sampling_params=sampling))
+        for prompt in prompts]
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """MAX's full Qwen3.5 MTP pipeline from the tiny offline checkpoint of
 ``examples/max_qwen3_5_pipeline.py``: on the CPU, MAX's registry takes the checkpoint (the
 fused MTP architecture when speculation is asked for) and MAX's Qwen3.5 modules
-construct from it; on a GPU, greedy decoding gives the
+construct from it, and its tokenizer builds the rows; on a GPU, greedy decoding gives the
 same tokens plain, speculative with MAX's fold, and speculative under ``patched()``."""
 
 from __future__ import annotations
@@ -58,6 +58,27 @@ def test_the_checkpoint_builds_max_s_qwen3_5_and_mtp_modules(example: dict, tmp_
     config.vision_config = None
     assert pipeline.needs_bitmask_constraints and not pipeline.speculative.use_greedy_acceptance
     UnifiedMTPQwen3_5(config, speculative_config=pipeline.speculative, enable_structured_output=True)
+
+
+def test_the_pipeline_s_tokenizer_builds_greedy_rows_from_token_ids(example: dict, tmp_path: Path) -> None:
+    """The rows the example decodes: MAX's Qwen3.5 tokenizer (no GPU needed) turns token-id
+    prompts into the vision-and-text contexts the pipeline takes, prompts unchanged, greedy,
+    ignoring the end token, with room for the new tokens."""
+    import asyncio
+
+    from max.pipelines.context import SamplingParams
+    from max.pipelines.lib.registry import PIPELINE_REGISTRY
+
+    folder = example["write_checkpoint"](tmp_path / "tiny")
+    retrieved = PIPELINE_REGISTRY.retrieve_factory(example["pipeline_config"](folder, 3, "cpu"))
+    prompts = [[1, 2, 3], [7, 5, 9, 11]]
+    contexts = asyncio.run(example["prompt_contexts"](
+        retrieved.tokenizer, prompts, SamplingParams(top_k=1, max_new_tokens=5, ignore_eos=True, seed=0)))
+    assert [type(c).__name__ for c in contexts] == ["Qwen3VLTextAndVisionContext"] * 2
+    assert [[int(t) for t in c.tokens.prompt] for c in contexts] == prompts
+    assert all(c.sampling_params.top_k == 1 and c.sampling_params.ignore_eos for c in contexts)
+    assert [c.max_length for c in contexts] == [len(p) + 5 for p in prompts]
+    assert len({c.request_id for c in contexts}) == 2
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 from contextlib import nullcontext
@@ -157,6 +158,18 @@ def write_checkpoint(folder: Path) -> Path:
     return folder
 
 
+def speculative_folder(folder: Path) -> Path:
+    """The checkpoint as the speculative pipelines read it: a copy beside ``folder``. MAX 26.7
+    caches a checkpoint's Hugging Face config per folder for the life of the process, and
+    resolving a speculative config renames the cached config's architecture to the fused MTP
+    one in place, so a plain pipeline read from the same folder afterwards would be built as
+    the fused one (and fail on its first step)."""
+    copy = folder.with_name(folder.name + "-mtp")
+    if not copy.exists():
+        shutil.copytree(folder, copy)
+    return copy
+
+
 def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MAX's PipelineConfig)
     """Resolved as ``max generate`` resolves its flags: ``from_args`` is where MAX swaps in the
     fused MTP architecture when speculation is asked for and the checkpoint has the head."""
@@ -164,6 +177,7 @@ def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MA
     from max.pipelines.lib.pipeline_args import PipelineArgs
 
     speculative = {"speculative_method": "mtp", "num_speculative_tokens": drafts} if drafts else None
+    folder = speculative_folder(folder) if drafts else folder
     return PipelineConfig.from_args(PipelineArgs(
         model_path=str(folder), weight_path=[folder / "model.safetensors"], quantization_encoding="float32",
         max_length=256, device_specs=[{"device_type": device, "id": 0 if device == "gpu" else -1}],

@@ -181,7 +181,9 @@ def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MA
     return PipelineConfig.from_args(PipelineArgs(
         model_path=str(folder), weight_path=[folder / "model.safetensors"], quantization_encoding="float32",
         max_length=256, device_specs=[{"device_type": device, "id": 0 if device == "gpu" else -1}],
-        speculative=speculative, runtime={"max_batch_size": 4},
+        # No device-graph capture (as `max generate`): on a GPU MAX would otherwise capture
+        # a graph per batch size and verify width while building, minutes per pipeline.
+        speculative=speculative, runtime={"max_batch_size": 4, "device_graph_capture": False},
         # Three pipelines live in this process one after another: each takes a tenth of
         # the GPU for its cache instead of MAX's default nine tenths.
         kv_cache={"device_memory_utilization": 0.1},

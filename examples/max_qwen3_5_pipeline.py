@@ -182,7 +182,7 @@ def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MA
         model_path=str(folder), weight_path=[folder / "model.safetensors"], quantization_encoding="float32",
         max_length=256, device_specs=[{"device_type": device, "id": 0 if device == "gpu" else -1}],
         # No device-graph capture (as `max generate`): on a GPU MAX would otherwise capture
-        # a graph per batch size and verify width while building, minutes per pipeline.
+        # a device graph per batch size and verify width while it builds each pipeline.
         speculative=speculative, runtime={"max_batch_size": 4, "device_graph_capture": False},
         # Three pipelines live in this process one after another: each takes a tenth of
         # the GPU for its cache instead of MAX's default nine tenths.

@@ -39,3 +39,20 @@ def test_loops_and_their_kinds_outside_the_inner_loop(tmp_path: Path) -> None:
     assert outer == {"integer, index, predicate": 1, "shared ld/st": 2, "convert, pack": 1, "control": 1}
     inner = sass_loops.kinds_outside_inner(instructions, (0x30, 0x50), found)
     assert inner == {"fp32": 1, "shuffles": 1, "control": 1}
+
+
+def test_the_outer_loop_s_instructions_by_source_line(tmp_path: Path) -> None:
+    """Line comments (nvdisasm -g) name the source line of the instructions after them;
+    the inner loop's instructions are left out."""
+    path = tmp_path / "kernel.sass"
+    lines = SASS.splitlines()
+    lines.insert(2, '\t//## File "./mojo/window_gpu.mojo", line 7')
+    lines.insert(5, '\t//## File "./mojo/window_gpu.mojo", line 9')
+    lines.insert(10, '\t//## File "./mojo/state_cast.mojo", line 3')
+    path.write_text("\n".join(lines) + "\n")
+    instructions, labels = sass_loops.read_sass(path)
+    found = sorted(sass_loops.loops(instructions, labels))
+    sources = sass_loops.source_lines(path)
+    assert sources[0x10] == "window_gpu.mojo:7" and sources[0x30] == "window_gpu.mojo:9"
+    rows = sass_loops.lines_outside_inner(instructions, sources, (0x10, 0x80), found)
+    assert rows == [("state_cast.mojo:3", 3, 0), ("window_gpu.mojo:7", 2, 1)]

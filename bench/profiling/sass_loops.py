@@ -3,14 +3,17 @@ barriers and spill instructions, so that spills in a hot loop (the window kernel
 token loop) can be told from spills once per unit of work:
 
     nvdisasm -c kernel.cubin > kernel.sass
-    python bench/profiling/sass_loops.py kernel.sass [--min-ffma N] [--kinds]
+    python bench/profiling/sass_loops.py kernel.sass [--min-ffma N] [--kinds] [--lines N]
 
 A loop is a backward branch and the instructions from its target to it; nested loops
 are listed each with the instructions of the loops inside them. Only loops with at
 least N fused multiply-adds (default 60) are listed: the rest are copies and waits.
 With --kinds each loop's instructions outside the innermost listed loops within it are
 also counted by kind (integer, fp32, shared memory, conversions, ...): what a unit of
-work spends besides its arithmetic loops.
+work spends besides its arithmetic loops. With --lines N (SASS from `nvdisasm -c -g` of a
+cubin built with `ptxas -lineinfo`) the outermost loop's instructions outside its inner
+loops are also summed by the source line they come from, the N lines with most first, so
+that the integer work can be told apart by where it is written.
 bench/profiling/window_registers.sh runs this for every instantiation when nvdisasm is on PATH
 (or in $NVDISASM).
 """
@@ -25,6 +28,7 @@ LABEL = re.compile(r"^\s*\.L_x_(\d+):")
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?\.L_x_(\d+)")
 OPCODE = re.compile(r"^(?:@!?U?P[0-9T]\s+)?([A-Z0-9_]+)")
+SOURCE_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 #: Instruction kinds by base opcode; anything else is integer, index or predicate work.
 KINDS = {
     "fp32": {"FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "FSETP", "FSEL"},
@@ -88,12 +92,43 @@ def kinds_outside_inner(instructions: list[tuple[int, str]], span: tuple[int, in
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
+def source_lines(path: Path) -> dict[int, str]:
+    """Each instruction's source line ("file:line", the file's name only) from the line
+    comments `nvdisasm -g` writes before the instructions they cover."""
+    sources: dict[int, str] = {}
+    current = "?"
+    for line in path.read_text().splitlines():
+        if source := SOURCE_LINE.search(line):
+            current = f"{Path(source.group(1)).name}:{source.group(2)}"
+        elif instruction := INSTRUCTION.match(line):
+            sources[int(instruction.group(1), 16)] = current
+    return sources
+
+
+def lines_outside_inner(instructions: list[tuple[int, str]], sources: dict[int, str], span: tuple[int, int],
+                        listed: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+    """(source line, instructions, of them integer, index or predicate) of loop ``span``'s
+    instructions outside its innermost listed loops, most instructions first."""
+    innermost = [loop for loop in listed if loop != span and span[0] <= loop[0] and loop[1] <= span[1]
+                 and not any(o != loop and loop[0] <= o[0] and o[1] <= loop[1] for o in listed)]
+    totals: dict[str, list[int]] = {}
+    for address, text in instructions:
+        if span[0] <= address <= span[1] and not any(a <= address <= b for a, b in innermost):
+            entry = totals.setdefault(sources.get(address, "?"), [0, 0])
+            entry[0] += 1
+            entry[1] += kind_of(text) == "integer, index, predicate"
+    return sorted(((line, total, integer) for line, (total, integer) in totals.items()), key=lambda row: -row[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sass", type=Path, help="nvdisasm -c output")
     parser.add_argument("--min-ffma", type=int, default=60, help="list loops with at least this many FFMA")
     parser.add_argument("--kinds", action="store_true",
                         help="count each loop's instructions outside its innermost loops by kind")
+    parser.add_argument("--lines", type=int, default=0,
+                        help="sum the outermost loop's instructions outside its inner loops by source line "
+                             "(SASS with line comments), this many lines")
     args = parser.parse_args()
     instructions, labels = read_sass(args.sass)
     listed = []
@@ -112,6 +147,13 @@ def main() -> None:
             counts = kinds_outside_inner(instructions, (first, last), spans)
             print(f"    outside its inner loops, {sum(counts.values())}: "
                   + ", ".join(f"{kind} {count}" for kind, count in counts.items()))
+    if args.lines and listed:
+        outermost = max(spans, key=lambda span: span[1] - span[0])
+        rows = lines_outside_inner(instructions, source_lines(args.sass), outermost, spans)
+        print(f"  loop {outermost[0]:#07x}-{outermost[1]:#07x} outside its inner loops, by source line"
+              " (instructions, of them integer, index, predicate):")
+        for line, total, integer in rows[:args.lines]:
+            print(f"    {line:32s} {total:5d} {integer:5d}")
 
 
 if __name__ == "__main__":

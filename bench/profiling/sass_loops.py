@@ -76,19 +76,25 @@ def kind_of(text: str) -> str:
     return next((kind for kind, opcodes in KINDS.items() if base in opcodes), "integer, index, predicate")
 
 
-def kinds_outside_inner(instructions: list[tuple[int, str]], span: tuple[int, int],
-                        listed: list[tuple[int, int]]) -> dict[str, int]:
-    """The kinds of the instructions of loop ``span`` outside the innermost listed loops
-    within it (those that hold no other listed loop)."""
+def outside_inner(instructions: list[tuple[int, str]], span: tuple[int, int],
+                  listed: list[tuple[int, int]]) -> list[tuple[int, str]]:
+    """The instructions of loop ``span`` outside the innermost listed loops within it
+    (those that hold no other listed loop)."""
     def within(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
         return inner != outer and outer[0] <= inner[0] and inner[1] <= outer[1]
 
     innermost = [loop for loop in listed if within(loop, span) and not any(within(o, loop) for o in listed)]
+    return [(address, text) for address, text in instructions
+            if span[0] <= address <= span[1] and not any(a <= address <= b for a, b in innermost)]
+
+
+def kinds_outside_inner(instructions: list[tuple[int, str]], span: tuple[int, int],
+                        listed: list[tuple[int, int]]) -> dict[str, int]:
+    """The kinds of loop ``span``'s instructions outside its innermost listed loops."""
     counts: dict[str, int] = {}
-    for address, text in instructions:
-        if span[0] <= address <= span[1] and not any(a <= address <= b for a, b in innermost):
-            kind = kind_of(text)
-            counts[kind] = counts.get(kind, 0) + 1
+    for _, text in outside_inner(instructions, span, listed):
+        kind = kind_of(text)
+        counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
@@ -109,14 +115,11 @@ def lines_outside_inner(instructions: list[tuple[int, str]], sources: dict[int, 
                         listed: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
     """(source line, instructions, of them integer, index or predicate) of loop ``span``'s
     instructions outside its innermost listed loops, most instructions first."""
-    innermost = [loop for loop in listed if loop != span and span[0] <= loop[0] and loop[1] <= span[1]
-                 and not any(o != loop and loop[0] <= o[0] and o[1] <= loop[1] for o in listed)]
     totals: dict[str, list[int]] = {}
-    for address, text in instructions:
-        if span[0] <= address <= span[1] and not any(a <= address <= b for a, b in innermost):
-            entry = totals.setdefault(sources.get(address, "?"), [0, 0])
-            entry[0] += 1
-            entry[1] += kind_of(text) == "integer, index, predicate"
+    for address, text in outside_inner(instructions, span, listed):
+        entry = totals.setdefault(sources.get(address, "?"), [0, 0])
+        entry[0] += 1
+        entry[1] += kind_of(text) == "integer, index, predicate"
     return sorted(((line, total, integer) for line, (total, integer) in totals.items()), key=lambda row: -row[1])
 
 

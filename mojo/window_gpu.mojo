@@ -41,7 +41,7 @@ from max.gpu.host.nvidia.tma import TMADescriptor
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 from std.math import ceildiv, fma
-from std.memory import AddressSpace, stack_allocation
+from std.memory import AddressSpace, bitcast, stack_allocation
 from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
@@ -166,6 +166,44 @@ def rounded_to[
     comptime for m in range(ROWS):
         rounded[m] = held[m].cast[dtype]()
     return rounded^
+
+
+@always_inline
+def bf16_pair(low: Float32, high: Float32) -> UInt32:
+    """Two fp32 values rounded to bf16 (to nearest even) in one instruction: `low` in the
+    word's low half, `high` in its high half, as a pool stores neighbouring columns."""
+    return inlined_assembly["cvt.rn.bf16x2.f32 $0, $1, $2;", UInt32, constraints="=r,f,f"](
+        high, low
+    )
+
+
+@always_inline
+def folded_state_rounded[
+    ROWS: Int, //, dtype: DType
+](mut held: Array[Columns, ROWS]) -> Array[SIMD[dtype, COLUMN_VECTOR], ROWS]:
+    """What a separate fold leaves in the pool: the held state rounded to the pool's dtype,
+    and the held state set to that rounded value widened back, as a verify reads it. In bf16
+    two columns round in one instruction and widen from the packed word (a shift for the
+    low half, a mask for the high): rounding and widening element by element took about
+    twice the instructions."""
+    var stored = Array[SIMD[dtype, COLUMN_VECTOR], ROWS](uninitialized=True)
+    comptime if dtype == DType.bfloat16:
+        comptime for m in range(ROWS):
+            var words = SIMD[DType.uint32, COLUMN_VECTOR // 2](
+                bf16_pair(held[m][0], held[m][1]), bf16_pair(held[m][2], held[m][3])
+            )
+            stored[m] = bitcast[dtype, COLUMN_VECTOR](words)
+            held[m] = Columns(
+                bitcast[DType.float32](words[0] << 16),
+                bitcast[DType.float32](words[0] & 0xFFFF0000),
+                bitcast[DType.float32](words[1] << 16),
+                bitcast[DType.float32](words[1] & 0xFFFF0000),
+            )
+    else:
+        comptime for m in range(ROWS):
+            stored[m] = held[m].cast[dtype]()
+            held[m] = stored[m].cast[DType.float32]()
+    return stored^
 
 
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
@@ -703,9 +741,7 @@ def windows_gpu_kernel[
                     start_record_copies(plan_of(1 - buffer), next_place, 1 - buffer)
                     async_copy_commit_group()
                 # What a separate fold leaves in the pool, and what a verify reads back.
-                var stored = rounded_to[state_dtype](held)
-                comptime for m in range(ROWS):
-                    held[m] = stored[m].cast[DType.float32]()
+                var stored = folded_state_rounded[state_dtype](held)
                 if not plan.commit:
                     comptime if BOXED_TILE:
                         # Back where it was staged from, then out as tensor boxes.

@@ -32,6 +32,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch
@@ -40,6 +41,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch
 #: one-layer MTP head. K = V = 128, as MAX's state kernels require.
 HIDDEN, LAYERS, VOCAB, KEY_HEADS, VALUE_HEADS, HEAD_DIM, FFN = 256, 4, 512, 2, 4, 128, 512
 ATTENTION_HEADS, KV_HEADS = 2, 1
+#: Its vision tower, one block: never run on these text prompts, but the plain pipeline
+#: compiles it and MAX refuses a checkpoint without its weights.
+VISION_HIDDEN, VISION_FFN, PATCH, TEMPORAL_PATCH, MERGE, VISION_POSITIONS = 64, 128, 16, 2, 2, 64
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<think>", "</think>", "<|image_pad|>", "<|video_pad|>",
                   "<|vision_start|>", "<|vision_end|>", "<|im_end|>")
 FIRST_SPECIAL = VOCAB - len(SPECIAL_TOKENS)
@@ -50,8 +54,8 @@ def special_id(token: str) -> int:
 
 
 def hf_config() -> dict:
-    """``config.json`` of a multimodal Qwen3.5 checkpoint (MAX reads the text config; the
-    speculative graph drops the vision tower, which this checkpoint has no weights for)."""
+    """``config.json`` of a multimodal Qwen3.5 checkpoint, as the published ones are: the text
+    config and a vision tower (which MAX's fused speculative graph leaves out)."""
     layer_types = ["linear_attention"] * (LAYERS - 1) + ["full_attention"]
     text = {
         "model_type": "qwen3_5_text", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN,
@@ -66,9 +70,10 @@ def hf_config() -> dict:
         "eos_token_id": special_id("<|im_end|>"), "dtype": "float32",
     }
     vision = {
-        "model_type": "qwen3_5", "depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
-        "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "out_hidden_size": HIDDEN, "num_position_embeddings": 64, "deepstack_visual_indexes": [],
+        "model_type": "qwen3_5", "depth": 1, "hidden_size": VISION_HIDDEN, "intermediate_size": VISION_FFN,
+        "num_heads": 2, "in_channels": 3, "patch_size": PATCH, "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL_PATCH, "out_hidden_size": HIDDEN, "num_position_embeddings": VISION_POSITIONS,
+        "deepstack_visual_indexes": [],
     }
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
@@ -104,6 +109,21 @@ def weight_shapes() -> dict[str, tuple[int, ...]]:
                 f"{p}conv1d.weight": (conv_dim, 1, 4), f"{p}dt_bias": (VALUE_HEADS,), f"{p}A_log": (VALUE_HEADS,),
                 f"{p}norm.weight": (HEAD_DIM,), f"{p}out_proj.weight": (HIDDEN, value_dim)}
 
+    def vision_tower(p: str) -> dict[str, tuple[int, ...]]:
+        # One block, the patch projection as a Conv3D, and the merger of MERGE x MERGE patches.
+        merged = MERGE * MERGE * VISION_HIDDEN
+        linear = {f"{p}blocks.0.attn.qkv": (3 * VISION_HIDDEN, VISION_HIDDEN),
+                  f"{p}blocks.0.attn.proj": (VISION_HIDDEN, VISION_HIDDEN),
+                  f"{p}blocks.0.mlp.linear_fc1": (VISION_FFN, VISION_HIDDEN),
+                  f"{p}blocks.0.mlp.linear_fc2": (VISION_HIDDEN, VISION_FFN),
+                  f"{p}merger.linear_fc1": (merged, merged), f"{p}merger.linear_fc2": (HIDDEN, merged),
+                  f"{p}patch_embed.proj": (VISION_HIDDEN, 3, TEMPORAL_PATCH, PATCH, PATCH)}
+        layer_norms = (f"{p}blocks.0.norm1", f"{p}blocks.0.norm2", f"{p}merger.norm")
+        return ({f"{name}.weight": shape for name, shape in linear.items()}
+                | {f"{name}.bias": (shape[0],) for name, shape in linear.items()}
+                | {f"{name}.{part}": (VISION_HIDDEN,) for name in layer_norms for part in ("weight", "bias")}
+                | {f"{p}pos_embed.weight": (VISION_POSITIONS, VISION_HIDDEN)})
+
     shapes: dict[str, tuple[int, ...]] = {
         "model.language_model.embed_tokens.weight": (VOCAB, HIDDEN),
         "model.language_model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN),
@@ -115,16 +135,21 @@ def weight_shapes() -> dict[str, tuple[int, ...]]:
         prefix = f"model.language_model.layers.{layer}."
         shapes |= mlp(prefix)
         shapes |= gated_deltanet(prefix) if layer < LAYERS - 1 else attention(prefix)
-    return shapes
+    return shapes | vision_tower("model.visual.")
 
 
 def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
     """Small random weights; norms are Qwen3.5's (1 + w) RMS norms at w = 0, except the
-    Gated DeltaNet output norm, which scales by w; decays between exp(-1) and exp(-16)."""
+    Gated DeltaNet output norm, which scales by w; decays between exp(-1) and exp(-16); the
+    vision tower's layer norms are the identity and its biases zero."""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in weight_shapes().items():
-        if name.endswith("A_log"):
+        if name.startswith("model.visual.") and name.endswith(".bias"):
+            weights[name] = np.zeros(shape, np.float32)
+        elif name.startswith("model.visual.") and "norm" in name:
+            weights[name] = np.ones(shape, np.float32)
+        elif name.endswith("A_log"):
             weights[name] = np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
         elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
             weights[name] = np.ones(shape, np.float32)
@@ -132,7 +157,10 @@ def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
             weights[name] = np.zeros(shape, np.float32)
         else:
             weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-    return weights
+    # MAX 26.7 builds Qwen3.5's vision tower in bf16 whatever the encoding (as published
+    # checkpoints store it) and refuses weights of another dtype.
+    return {name: w.astype(ml_dtypes.bfloat16) if name.startswith("model.visual.") else w
+            for name, w in weights.items()}
 
 
 def write_checkpoint(folder: Path) -> Path:

@@ -32,35 +32,57 @@ def test_the_checkpoint_resolves_to_max_s_mtp_architecture(example: dict, tmp_pa
     assert example["architecture_of"](folder, 0, "cpu") == "Qwen3_5ForConditionalGeneration"
 
 
+def adapted_checkpoint(example: dict, folder: Path, drafts: int) -> tuple[object, dict]:
+    """The pipeline config MAX resolves for ``drafts`` and the checkpoint as that
+    architecture's own weight adapter hands it to the model."""
+    from max.graph.weights import WeightsFormat, load_weights
+    from max.pipelines.lib.registry import PIPELINE_REGISTRY
+
+    pipeline = example["pipeline_config"](folder, drafts, "cpu")
+    adapter = PIPELINE_REGISTRY.architecture_for_config(pipeline).weight_adapters[WeightsFormat.safetensors]
+    weights = load_weights([folder / "model.safetensors"])
+    return pipeline, adapter(dict(weights.items()), huggingface_config=pipeline.model.huggingface_config,
+                             pipeline_config=pipeline)
+
+
 def test_the_checkpoint_builds_max_s_qwen3_5_and_mtp_modules(example: dict, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """MAX's plain and fused-MTP Qwen3.5 modules construct from the checkpoint's config, as
     the GPU pipelines construct them: constructing checks the config against the shapes
-    (the rotary sections against the head width, the heads against the weights). Each
-    layer's ``Allreduce`` opens one accelerator per device at construction; with no GPU
-    here it is given the CPU instead, which it would use only in a graph."""
+    (the rotary sections against the head width, the heads against the weights). Then
+    MAX's own weight checks pass (every weight a graph declares is in the adapted
+    checkpoint: the plain graph compiles the vision tower too) and the weights load into
+    the modules, shapes checked. Each layer's ``Allreduce`` opens one accelerator per
+    device at construction; with no GPU here it is given the CPU instead, which it would
+    use only in a graph."""
     import max.nn.comm.allreduce as allreduce
     from max.driver import CPU
-    from max.graph.weights import load_weights
+    from max.pipelines.architectures.qwen3_5.model import _check_weights_match as check_plain_weights
     from max.pipelines.architectures.qwen3_5.model_config import Qwen3_5Config
     from max.pipelines.architectures.qwen3_5.qwen3_5 import Qwen3_5
+    from max.pipelines.architectures.unified_mtp_qwen3_5.model import _check_weights_match as check_mtp_weights
     from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import UnifiedMTPQwen3_5
 
     monkeypatch.setattr(allreduce, "Accelerator", lambda id: CPU())
     folder = example["write_checkpoint"](tmp_path / "tiny")
-    pipeline = example["pipeline_config"](folder, 3, "cpu")
-    config = Qwen3_5Config.initialize(pipeline, max_seq_len=256)
-    state = {name: weight.data() for name, weight in load_weights([folder / "model.safetensors"]).items()}
-    config.finalize(huggingface_config=Qwen3_5Config._get_text_config(pipeline.model.huggingface_config),
-                    state_dict=state, return_logits=None, norm_method="rms_norm", attention_bias=False)
-    plain = Qwen3_5(config)
-    assert len(plain.linear_layer_indices) == example["LAYERS"] - 1
-    # As MAX's fused MTP model readies the config: no subgraphs, no vision tower.
-    config.use_subgraphs = False
-    config.mrope_without_encoder = config.vision_config is not None
-    config.vision_config = None
-    assert pipeline.needs_bitmask_constraints and not pipeline.speculative.use_greedy_acceptance
-    UnifiedMTPQwen3_5(config, speculative_config=pipeline.speculative, enable_structured_output=True)
+    for drafts, check in ((0, check_plain_weights), (3, check_mtp_weights)):
+        pipeline, state = adapted_checkpoint(example, folder, drafts)
+        config = Qwen3_5Config.initialize(pipeline, max_seq_len=256)
+        config.finalize(huggingface_config=Qwen3_5Config._get_text_config(pipeline.model.huggingface_config),
+                        state_dict=state, return_logits=None, norm_method="rms_norm", attention_bias=False)
+        if drafts == 0:
+            assert config.vision_config is not None
+            model = Qwen3_5(config)
+            assert len(model.linear_layer_indices) == example["LAYERS"] - 1
+        else:
+            # As MAX's fused MTP model readies the config: no subgraphs, no vision tower.
+            config.use_subgraphs = False
+            config.mrope_without_encoder = config.vision_config is not None
+            config.vision_config = None
+            assert pipeline.needs_bitmask_constraints and not pipeline.speculative.use_greedy_acceptance
+            model = UnifiedMTPQwen3_5(config, speculative_config=pipeline.speculative, enable_structured_output=True)
+        check(expected=set(model.raw_state_dict()), provided=set(state))
+        model.load_state_dict(state, override_quantization_encoding=True, weight_alignment=1, strict=False)
 
 
 def test_the_pipeline_s_tokenizer_builds_greedy_rows_from_token_ids(example: dict, tmp_path: Path) -> None:

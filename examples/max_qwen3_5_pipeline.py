@@ -11,10 +11,13 @@ prompts greedily three ways through MAX's pipeline registry, with nothing downlo
 * ``patched``: the same, built under ``gdfold_max.integrations.max_qwen3_5.patched()``, so
   that the rollback folds with ``gdfold_max.state_fold``.
 
-It checks that the three give the same tokens. MAX builds Qwen3.5 pipelines on GPUs only
-(the layers allocate allreduce buffers on accelerators, and the speculative
-``OverlapTextGenerationPipeline`` refuses CPU devices): on a machine without one the
-script writes the checkpoint, resolves both architectures, and stops there.
+It checks that the three give the same tokens. Each decoding runs in a process of its own,
+the three side by side: building a pipeline is mostly compiling its graphs on the host,
+and each process holds only its own pipeline (and MAX's per-process caches). MAX builds
+Qwen3.5 pipelines on GPUs only (the layers allocate allreduce buffers on accelerators,
+and the speculative ``OverlapTextGenerationPipeline`` refuses CPU devices): on a machine
+without one the script writes the checkpoint, resolves both architectures, and stops
+there.
 
     python examples/max_qwen3_5_pipeline.py [--folder DIR] [--new-tokens 16] [--drafts 3]
 """
@@ -27,7 +30,10 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -267,12 +273,67 @@ async def prompt_contexts(tokenizer, prompts: list[list[int]], sampling):  # noq
         for prompt in prompts]
 
 
+#: The three decodings: name, draft tokens (0: plain), built under ``patched()``.
+DECODINGS = {"plain": (0, False), "speculative, MAX's fold": (None, False),
+             "speculative, patched()": (None, True)}
+TOKENS_LINE = "tokens: "
+
+
+def example_prompts() -> list[list[int]]:
+    """Three prompts of token ids, of 5, 6 and 7 tokens."""
+    return [[int(t) for t in np.random.default_rng(b).integers(0, FIRST_SPECIAL, 5 + b)] for b in range(3)]
+
+
+def decode_in_child(folder: Path, name: str, drafts: int, new_tokens: int) -> None:
+    """One decoding, in a process started by ``decode_side_by_side``: prints its tokens as
+    JSON on a line of their own."""
+    started = time.perf_counter()
+    steps, under_patch = DECODINGS[name]
+    tokens = greedy_tokens(folder, steps if steps is not None else drafts, "gpu", example_prompts(), new_tokens,
+                           patched=under_patch)
+    print(f"built and decoded in {time.perf_counter() - started:.0f} s", flush=True)
+    print(TOKENS_LINE + json.dumps(tokens.tolist()), flush=True)
+
+
+def decode_side_by_side(folder: Path, drafts: int, new_tokens: int) -> dict[str, np.ndarray]:
+    """Runs every decoding of DECODINGS in a process of its own, all at once; echoes their
+    output line by line as it comes, each line led by its decoding's name."""
+    speculative_folder(folder)  # made once here, not by two children at once
+    children = {name: subprocess.Popen(
+        [sys.executable, __file__, "--folder", str(folder), "--drafts", str(drafts), "--new-tokens",
+         str(new_tokens), "--decode", name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name in DECODINGS}
+    tokens: dict[str, np.ndarray] = {}
+
+    def echo(name: str, child: subprocess.Popen) -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if line.startswith(TOKENS_LINE):
+                tokens[name] = np.array(json.loads(line[len(TOKENS_LINE):]))
+            print(f"[{name}] {line}", end="", flush=True)
+
+    readers = [threading.Thread(target=echo, args=item) for item in children.items()]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    codes = {name: child.wait() for name, child in children.items()}
+    failed = {name: code for name, code in codes.items() if code != 0 or name not in tokens}
+    if failed:
+        raise SystemExit(f"decodings that failed (name: exit status): {failed}")
+    return tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, help="where to write the checkpoint (default: a temporary folder)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--drafts", type=int, default=3)
+    parser.add_argument("--decode", choices=list(DECODINGS), help=argparse.SUPPRESS)  # one decoding, in a child
     args = parser.parse_args()
+    if args.decode:
+        decode_in_child(args.folder, args.decode, args.drafts, args.new_tokens)
+        return
 
     from max.driver import accelerator_count
 
@@ -289,13 +350,9 @@ def main() -> None:
             print("no GPU: MAX builds Qwen3.5 pipelines on GPUs only; the checkpoint and the architecture"
                   " resolve, decoding needs a GPU")
             return
-        prompts = [[int(t) for t in np.random.default_rng(b).integers(0, FIRST_SPECIAL, 5 + b)] for b in range(3)]
         started = time.perf_counter()
-        runs: dict[str, np.ndarray] = {}
-        for name, drafts, under_patch in (("plain", 0, False), ("speculative, MAX's fold", args.drafts, False),
-                                          ("speculative, patched()", args.drafts, True)):
-            runs[name] = greedy_tokens(folder, drafts, device, prompts, args.new_tokens, patched=under_patch)
-            print(f"{name}: built and decoded at {time.perf_counter() - started:.0f} s", flush=True)
+        runs = decode_side_by_side(folder, args.drafts, args.new_tokens)
+        print(f"all three built and decoded in {time.perf_counter() - started:.0f} s")
         plain = runs.pop("plain")
         for name, tokens in runs.items():
             same = np.array_equal(tokens, plain)

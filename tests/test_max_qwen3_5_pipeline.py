@@ -7,6 +7,7 @@ same tokens plain, speculative with MAX's fold, and speculative under ``patched(
 from __future__ import annotations
 
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,11 +107,30 @@ def test_the_pipeline_s_tokenizer_builds_greedy_rows_from_token_ids(example: dic
     assert len({c.request_id for c in contexts}) == 2
 
 
-@pytest.mark.gpu
-def test_plain_speculative_and_patched_decode_the_same_tokens(monkeypatch: pytest.MonkeyPatch,
+def test_a_decoding_that_fails_is_named_with_its_exit_status(example: dict, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--new-tokens", "12"])
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
-    out = capsys.readouterr().out
-    print(out)
-    assert out.count("the same tokens as plain decoding") == 2
+    """The three decodings run in processes of their own; one that fails (here: each, since
+    the folder holds no checkpoint) stops the example with its name and exit status, and
+    its output reaches ours, each line led by its name."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        example["decode_side_by_side"](tmp_path / "empty", 3, 4)
+    echoed = capsys.readouterr().out
+    for name in example["DECODINGS"]:
+        assert f"{name!r}: 1" in str(stopped.value)
+        assert f"[{name}] Traceback" in echoed
+
+
+@pytest.mark.gpu
+def test_plain_speculative_and_patched_decode_the_same_tokens() -> None:
+    """The example as a user runs it, its output echoed line by line as it comes (the three
+    decodings build side by side for minutes)."""
+    child = subprocess.Popen([sys.executable, str(EXAMPLE), "--new-tokens", "12"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    assert child.stdout is not None
+    lines = []
+    for line in child.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    assert child.wait() == 0
+    assert "".join(lines).count("the same tokens as plain decoding") == 2

@@ -236,5 +236,48 @@ def bench_step(
     console.print(f"wrote {json_out}")
 
 
+@app.command("bench-shards")
+def bench_shards(
+    shards: Annotated[int, typer.Option(help="Devices, one shard each: the heads split evenly over them.")] = 2,
+    batches: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "64,256",
+    dtypes: Annotated[str, typer.Option(help="State dtypes.")] = "float32",
+    chain: Annotated[int, typer.Option(help="Steps chained in the long graph, timed against one.")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed runs per graph; the best counts.")] = 5,
+    rounds: Annotated[int, typer.Option(help="Rounds of both variants in turn; the median counts.")] = 1,
+    device: Annotated[Target, typer.Option(
+        help="gpu: shard i on GPU i; cpu: every shard on the CPU, one after another (checks the graphs run,"
+             " not the claim).")] = Target.gpu,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the table as JSON.")] = Path(
+        "bench-shards-results.json"
+    ),
+) -> None:
+    """Time a decoding step on tensor-parallel shards (one per device) against one shard alone on one device."""
+    from max.driver import CPU, Accelerator, Device, accelerator_count
+
+    from .bench_harness import FoldShape, write_json
+    from .bench_shards import render_shard_rows, run_shard_bench, shard_shape
+
+    dtype_list = _state_dtypes(dtypes)
+    batch_list = [int(b) for b in batches.split(",")]
+    if rounds < 1:
+        raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
+    if chain < 2:
+        raise typer.BadParameter(f"{chain} is not at least 2", param_hint="--chain")
+    try:
+        shard_shape(FoldShape(), shards)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--shards") from error
+    if device == Target.gpu and accelerator_count() < shards:
+        console.print(f"--shards {shards} needs {shards} GPUs; {accelerator_count()} here (--device cpu runs every"
+                      " shard on the CPU)")
+        raise typer.Exit(2)
+    devices: list[Device] = [CPU()] * shards if device == Target.cpu else [Accelerator(i) for i in range(shards)]
+    rows = run_shard_bench(devices, batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds,
+                           console=console)
+    render_shard_rows(rows, console)
+    write_json(rows, str(json_out))
+    console.print(f"wrote {json_out}")
+
+
 def main() -> None:
     app()

@@ -1,0 +1,205 @@
+"""The sharded step benchmark: a decoding step's state work on tensor-parallel shards,
+every device on its own heads, against one device running one shard alone, side by side
+in one process.
+
+* ``shards``: one graph over the devices. Each step broadcasts the accepted counts from
+  the first device (``ops.distributed_broadcast``, as MAX's Qwen3.5 rollback does), then
+  runs, layer by layer, every device's verify with fold on load over its shard: nv / n
+  value heads and nk / n key heads, its own pool, ring and row tables.
+* ``one``: the same graph for the first shard alone, on the first device: the work each
+  device does in ``shards``.
+
+Nothing crosses devices but the counts, so ``shards`` should take the time of ``one``:
+the ratio one / shards is the claim, 1 when the devices run fully in parallel. Timed as
+``bench_harness`` says, graphs of R chained steps against one step, each ``execute()``
+followed by a synchronisation of every device (graphs over several devices are not
+captured), both variants in turn for ``rounds`` rounds, the medians kept.
+
+On the CPU the shards all run on the CPU, one after another, with no broadcast: that
+checks the graphs build and run, not the claim.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+
+from max.driver import Buffer, Device
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
+from max.nn.comm import Signals
+from rich.console import Console
+
+from .bench_harness import ChainedGraphs, FoldShape, best_seconds, measure_rounds, per_link_from, render_rows, sweep
+from .bench_step import make_step_operands
+from .graph import kernels_path
+from .sharded import broadcast_counts
+from .window_graph import verify_ring
+
+#: ``shards``: every shard on its device; ``one``: the first shard alone on the first device.
+SHARD_VARIANTS = ("shards", "one")
+#: A shard's operands, in the graphs' order (the counts come once, after every shard's).
+SHARD_OPERANDS = ("pool", "ring", "qkv", "decay", "beta", "row_ids", "ring_row_ids", "previous_ring_row_ids",
+                  "input_row_offsets")
+
+
+@dataclass
+class ShardRow:
+    """One measured (number of shards, dtype, batch)."""
+
+    shards: int
+    state_dtype: str
+    batch: int
+    #: Medians over the rounds, µs per step.
+    shards_us: float
+    one_us: float
+    #: ``one_us / shards_us``: 1 when the devices run their shards fully in parallel.
+    one_over_shards: float
+    rounds: int
+
+
+def shard_shape(shape: FoldShape, num_shards: int) -> FoldShape:
+    """The shapes one device holds when the heads split evenly over ``num_shards``.
+
+    Raises:
+        ValueError: if the key heads do not split evenly.
+    """
+    if num_shards < 1 or shape.num_key_heads % num_shards:
+        raise ValueError(f"num_shards: {num_shards} does not divide the {shape.num_key_heads} key heads evenly")
+    return replace(shape, num_value_heads=shape.num_value_heads // num_shards,
+                   num_key_heads=shape.num_key_heads // num_shards)
+
+
+class ShardedSteps(ChainedGraphs):
+    """Compiled graphs of 1 and ``chain`` steps for ``shards`` (shard i on ``devices[i]``)
+    and ``one`` (shard 0 alone on ``devices[0]``)."""
+
+    def __init__(self, session: InferenceSession, devices: Sequence[Device], shape: FoldShape, chain: int) -> None:
+        super().__init__(session, devices[0], shard_shape(shape, len(devices)), chain)
+        self.devices = list(devices)
+        self.where = [DeviceRef.from_device(device) for device in devices]
+        distinct = list(dict.fromkeys(self.where))
+        self.signals = Signals(distinct) if len(distinct) > 1 else None
+
+    def placement(self, variant: str) -> list[DeviceRef]:
+        return self.where if variant == "shards" else self.where[:1]
+
+    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
+        s = self.shape
+        where = self.placement(variant)
+        f32, u32 = DType.float32, DType.uint32
+        width = 2 * s.num_key_heads * s.key_dim + s.num_value_heads * s.value_dim
+        inputs: list[BufferType | TensorType] = []
+        for ref in where:
+            inputs += [
+                BufferType(state_dtype, ["rows", s.num_value_heads, s.key_dim, s.value_dim], ref),
+                BufferType(f32, ["ring_rows", s.num_key_heads, s.ring_len, s.layout.min_stride], ref),
+                TensorType(f32, ["tokens", width], ref),
+                TensorType(f32, ["tokens", s.num_value_heads], ref),
+                TensorType(f32, ["tokens", s.num_value_heads], ref),
+                *(TensorType(u32, [s.num_layers, "batch"], ref) for _ in range(3)),
+                TensorType(u32, ["offsets"], ref),
+            ]
+        inputs.append(TensorType(u32, ["batch"], where[0]))  # the sampler's counts
+        broadcasts = variant == "shards" and self.signals is not None
+        if broadcasts:
+            assert self.signals is not None
+            inputs += self.signals.input_types()
+        per = len(SHARD_OPERANDS)
+        with Graph(f"shards_{variant}_{len(where)}_{state_dtype.name}_x{links}", input_types=inputs,
+                   custom_extensions=[kernels_path()]) as graph:
+            values = list(graph.inputs)
+            shards = [values[i * per: (i + 1) * per] for i in range(len(where))]
+            counts_in = values[len(where) * per].tensor
+            signal_buffers = [v.buffer for v in values[len(where) * per + 1:]] if broadcasts else []
+            readouts: list[TensorValue] = []
+            for _ in range(links):
+                # Once a step, as MAX's rollback broadcasts once before its folds.
+                counts = broadcast_counts(counts_in, where, signal_buffers)
+                for layer in range(s.num_layers):
+                    readouts = [
+                        verify_ring(qkv.tensor, decay.tensor, beta.tensor, pool.buffer, ring.buffer,
+                                    rows.tensor[layer], ring_rows.tensor[layer], offsets.tensor,
+                                    previous_ring_row_ids=previous.tensor[layer],
+                                    previous_num_accepted=counts[i])
+                        for i, (pool, ring, qkv, decay, beta, rows, ring_rows, previous, offsets)
+                        in enumerate(shards)]
+            graph.output(*readouts)
+        return graph
+
+    def operands(self, variant: str, state_dtype: DType, batch: int) -> list[Buffer]:
+        """Every shard's operands on its device (``make_step_operands``), the counts on the
+        first device, and the signal buffers where the counts are broadcast."""
+        devices = self.devices if variant == "shards" else self.devices[:1]
+        buffers: list[Buffer] = []
+        counts: Buffer | None = None
+        for index, device in enumerate(devices):
+            pool, ring, qkv, decay, beta, rows, ring_rows, previous, accepted, offsets = make_step_operands(
+                device, self.shape, batch, state_dtype, seed=index)
+            buffers += [pool, ring, qkv, decay, beta, rows, ring_rows, previous, offsets]
+            if counts is None:
+                counts = accepted
+        assert counts is not None
+        buffers.append(counts)
+        if variant == "shards" and self.signals is not None:
+            buffers += self.signals.buffers()
+        return buffers
+
+    def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
+        """(t_R - t_1) / (R - 1) over graphs of R chained steps and one, every device the
+        graph runs on synchronised after each ``execute()``."""
+        devices = list(dict.fromkeys(self.devices if variant == "shards" else self.devices[:1]))
+
+        def executed(links: int) -> float:
+            model = self.model(variant, state_dtype, links)
+
+            def run() -> None:
+                model.execute(*operands)
+                for device in devices:
+                    device.synchronize()
+
+            return best_seconds(run, repeats)
+
+        return per_link_from(executed, self.chain)
+
+
+def run_shard_bench(devices: Sequence[Device], batches: Iterable[int], dtypes: Iterable[DType] = (DType.float32,),
+                    *, shape: FoldShape | None = None, chain: int = 3, repeats: int = 5, rounds: int = 1,
+                    console: Console | None = None) -> list[ShardRow]:
+    """Times ``shards`` (shard i on ``devices[i]``) against ``one`` for every (dtype,
+    batch) and returns the rows."""
+    console = console or Console()
+    steps = ShardedSteps(InferenceSession(devices=list(dict.fromkeys(devices))), devices, shape or FoldShape(),
+                         chain)
+    dtypes = list(dtypes)
+    console.print(f"compiling the sharded step graphs ({len(devices)} shards) ...")
+    started = time.perf_counter()
+    steps.compile_all(SHARD_VARIANTS, dtypes)
+    console.print(f"compiled in {time.perf_counter() - started:.0f} s")
+    rows = []
+    for state_dtype, batch in sweep(dtypes, list(batches), console, "sharded step"):
+        timers: dict[str, Callable[[], float]] = {
+            variant: partial(steps.per_step_seconds, variant, state_dtype,
+                             steps.operands(variant, state_dtype, batch), repeats)
+            for variant in SHARD_VARIANTS}
+        measured = measure_rounds(SHARD_VARIANTS, rounds, timers)
+        shards_s, one_s = measured.median("shards"), measured.median("one")
+        rows.append(ShardRow(shards=len(devices), state_dtype=state_dtype.name, batch=batch,
+                             shards_us=shards_s * 1e6, one_us=one_s * 1e6,
+                             one_over_shards=one_s / shards_s if shards_s > 0 else float("nan"), rounds=rounds))
+        del timers
+    return rows
+
+
+def render_shard_rows(rows: Sequence[ShardRow], console: Console) -> None:
+    render_rows("a sharded decoding step's state work (all layers), medians", [
+        ("shards", lambda r: str(r.shards)),
+        ("dtype", lambda r: r.state_dtype),
+        ("batch", lambda r: str(r.batch)),
+        ("every shard µs", lambda r: f"{r.shards_us:.1f}"),
+        ("one shard alone µs", lambda r: f"{r.one_us:.1f}"),
+        ("one / every", lambda r: f"{r.one_over_shards:.3f}"),
+    ], rows, console)

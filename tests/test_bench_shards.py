@@ -9,10 +9,11 @@ import math
 import pytest
 from max.driver import CPU, Accelerator, accelerator_count
 from max.dtype import DType
+from max.engine import InferenceSession
 from typer.testing import CliRunner
 
 from gdfold_max.bench_harness import FoldShape
-from gdfold_max.bench_shards import run_shard_bench, shard_shape
+from gdfold_max.bench_shards import ShardedSteps, run_shard_bench, shard_shape
 from gdfold_max.cli import app
 
 TINY = FoldShape(num_layers=1, num_value_heads=4, num_key_heads=2, key_dim=32, value_dim=32)
@@ -38,8 +39,18 @@ def check_rows(rows: list, shards: int) -> None:
         assert math.isclose(rows[0].one_over_shards, rows[0].one_us / rows[0].shards_us)
 
 
-def test_two_shards_share_the_cpu() -> None:
-    check_rows(run_shard_bench([CPU(), CPU()], [2], [DType.float32], shape=TINY, chain=2, repeats=1), 2)
+def test_on_one_device_one_shard_runs_on_the_every_shard_graphs() -> None:
+    """On one device ``one`` and ``shards`` are the same graph, compiled once (two graphs,
+    one step and two chained, not four); on several they differ."""
+    session = InferenceSession(devices=[CPU()])
+    assert ShardedSteps(session, [CPU()], TINY, 2).serving("one") == "shards"
+    assert ShardedSteps(session, [CPU(), CPU()], TINY, 2).serving("one") == "one"
+
+
+def test_one_shard_on_the_cpu() -> None:
+    """The benchmark end to end on the CPU (several shards' graphs run on the CPU in
+    tests/test_sharded.py)."""
+    check_rows(run_shard_bench([CPU()], [2], [DType.float32], shape=TINY, chain=2, repeats=1), 1)
 
 
 @pytest.mark.gpu

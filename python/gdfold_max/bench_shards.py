@@ -28,7 +28,7 @@ from functools import partial
 
 from max.driver import Buffer, Device
 from max.dtype import DType
-from max.engine import InferenceSession
+from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
 from max.nn.comm import Signals
 from rich.console import Console
@@ -86,6 +86,17 @@ class ShardedSteps(ChainedGraphs):
 
     def placement(self, variant: str) -> list[DeviceRef]:
         return self.where if variant == "shards" else self.where[:1]
+
+    def serving(self, variant: str) -> str:
+        """The variant whose graphs run ``variant``: on one device ``one`` is ``shards``,
+        compiled once."""
+        return "shards" if len(self.devices) == 1 else variant
+
+    def model(self, variant: str, state_dtype: DType, links: int) -> Model:
+        return super().model(self.serving(variant), state_dtype, links)
+
+    def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
+        super().compile_all(list(dict.fromkeys(map(self.serving, variants))), dtypes, chained)
 
     def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
         s = self.shape

@@ -138,6 +138,11 @@ class ChainedGraphs:
         ``chain`` links (which only ``per_link_seconds`` without ``replay`` runs)."""
         compile_together([(self, v) for v in variants], dtypes, chained)
 
+    def synchronize(self, variant: str) -> None:
+        """Waits for every device ``variant``'s graphs run on (one, unless a subclass
+        spreads its graphs over several)."""
+        self.device.synchronize()
+
     def model(self, variant: str, state_dtype: DType, links: int) -> Model:
         """The graph of ``links`` links, compiled on first use."""
         key = (variant, state_dtype, links)
@@ -163,7 +168,7 @@ class ChainedGraphs:
                 def run() -> None:
                     for _ in range(count):
                         model.replay(key, *operands)
-                    self.device.synchronize()
+                    self.synchronize(variant)
 
                 return best_seconds(run, repeats)
 
@@ -178,7 +183,7 @@ class ChainedGraphs:
 
                 def run() -> None:
                     model.execute(*operands)
-                    self.device.synchronize()
+                    self.synchronize(variant)
 
                 return best_seconds(run, repeats)
 

@@ -33,18 +33,14 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
 from max.nn.comm import Signals
 from rich.console import Console
 
-from .bench_harness import ChainedGraphs, FoldShape, best_seconds, measure_rounds, per_link_from, render_rows, sweep
-from .bench_step import make_step_operands
+from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, render_rows, sweep
+from .bench_step import ACCEPTED_AT, make_step_operands, step_input_types
 from .graph import kernels_path
 from .sharded import broadcast_counts
 from .window_graph import verify_ring
 
 #: ``shards``: every shard on its device; ``one``: the first shard alone on the first device.
 SHARD_VARIANTS = ("shards", "one")
-#: A shard's operands, in the graphs' order (the counts come once, after every shard's).
-SHARD_OPERANDS = ("pool", "ring", "qkv", "decay", "beta", "row_ids", "ring_row_ids", "previous_ring_row_ids",
-                  "input_row_offsets")
-
 
 @dataclass
 class ShardRow:
@@ -87,6 +83,9 @@ class ShardedSteps(ChainedGraphs):
     def placement(self, variant: str) -> list[DeviceRef]:
         return self.where if variant == "shards" else self.where[:1]
 
+    def devices_of(self, variant: str) -> list[Device]:
+        return self.devices if variant == "shards" else self.devices[:1]
+
     def serving(self, variant: str) -> str:
         """The variant whose graphs run ``variant``: on one device ``one`` is ``shards``,
         compiled once."""
@@ -101,80 +100,44 @@ class ShardedSteps(ChainedGraphs):
     def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
         s = self.shape
         where = self.placement(variant)
-        f32, u32 = DType.float32, DType.uint32
-        width = 2 * s.num_key_heads * s.key_dim + s.num_value_heads * s.value_dim
-        inputs: list[BufferType | TensorType] = []
-        for ref in where:
-            inputs += [
-                BufferType(state_dtype, ["rows", s.num_value_heads, s.key_dim, s.value_dim], ref),
-                BufferType(f32, ["ring_rows", s.num_key_heads, s.ring_len, s.layout.min_stride], ref),
-                TensorType(f32, ["tokens", width], ref),
-                TensorType(f32, ["tokens", s.num_value_heads], ref),
-                TensorType(f32, ["tokens", s.num_value_heads], ref),
-                *(TensorType(u32, [s.num_layers, "batch"], ref) for _ in range(3)),
-                TensorType(u32, ["offsets"], ref),
-            ]
-        inputs.append(TensorType(u32, ["batch"], where[0]))  # the sampler's counts
-        broadcasts = variant == "shards" and self.signals is not None
-        if broadcasts:
-            assert self.signals is not None
+        # Every shard's step operands on its device (the first shard's counts are the
+        # sampler's, broadcast to the others, whose own counts go unread).
+        inputs: list[BufferType | TensorType] = [t for ref in where for t in step_input_types(s, state_dtype, ref)]
+        per = len(inputs) // len(where)
+        if variant == "shards" and self.signals is not None:
             inputs += self.signals.input_types()
-        per = len(SHARD_OPERANDS)
         with Graph(f"shards_{variant}_{len(where)}_{state_dtype.name}_x{links}", input_types=inputs,
                    custom_extensions=[kernels_path()]) as graph:
             values = list(graph.inputs)
             shards = [values[i * per: (i + 1) * per] for i in range(len(where))]
-            counts_in = values[len(where) * per].tensor
-            signal_buffers = [v.buffer for v in values[len(where) * per + 1:]] if broadcasts else []
+            signal_buffers = [v.buffer for v in values[len(where) * per:]]
             readouts: list[TensorValue] = []
             for _ in range(links):
                 # Once a step, as MAX's rollback broadcasts once before its folds.
-                counts = broadcast_counts(counts_in, where, signal_buffers)
+                counts = broadcast_counts(shards[0][ACCEPTED_AT].tensor, where, signal_buffers)
                 for layer in range(s.num_layers):
                     readouts = [
                         verify_ring(qkv.tensor, decay.tensor, beta.tensor, pool.buffer, ring.buffer,
                                     rows.tensor[layer], ring_rows.tensor[layer], offsets.tensor,
                                     previous_ring_row_ids=previous.tensor[layer],
                                     previous_num_accepted=counts[i])
-                        for i, (pool, ring, qkv, decay, beta, rows, ring_rows, previous, offsets)
+                        for i, (pool, ring, qkv, decay, beta, rows, ring_rows, previous, _, offsets)
                         in enumerate(shards)]
             graph.output(*readouts)
         return graph
 
     def operands(self, variant: str, state_dtype: DType, batch: int) -> list[Buffer]:
-        """Every shard's operands on its device (``make_step_operands``), the counts on the
-        first device, and the signal buffers where the counts are broadcast."""
-        devices = self.devices if variant == "shards" else self.devices[:1]
-        buffers: list[Buffer] = []
-        counts: Buffer | None = None
-        for index, device in enumerate(devices):
-            pool, ring, qkv, decay, beta, rows, ring_rows, previous, accepted, offsets = make_step_operands(
-                device, self.shape, batch, state_dtype, seed=index)
-            buffers += [pool, ring, qkv, decay, beta, rows, ring_rows, previous, offsets]
-            if counts is None:
-                counts = accepted
-        assert counts is not None
-        buffers.append(counts)
+        """Every shard's step operands on its device (``make_step_operands``), and the
+        signal buffers where the counts are broadcast."""
+        buffers = [b for index, device in enumerate(self.devices_of(variant))
+                   for b in make_step_operands(device, self.shape, batch, state_dtype, seed=index)]
         if variant == "shards" and self.signals is not None:
             buffers += self.signals.buffers()
         return buffers
 
-    def per_step_seconds(self, variant: str, state_dtype: DType, operands: Sequence[Buffer], repeats: int) -> float:
-        """(t_R - t_1) / (R - 1) over graphs of R chained steps and one, every device the
-        graph runs on synchronised after each ``execute()``."""
-        devices = list(dict.fromkeys(self.devices if variant == "shards" else self.devices[:1]))
-
-        def executed(links: int) -> float:
-            model = self.model(variant, state_dtype, links)
-
-            def run() -> None:
-                model.execute(*operands)
-                for device in devices:
-                    device.synchronize()
-
-            return best_seconds(run, repeats)
-
-        return per_link_from(executed, self.chain)
+    def synchronize(self, variant: str) -> None:
+        for device in dict.fromkeys(self.devices_of(variant)):
+            device.synchronize()
 
 
 def run_shard_bench(devices: Sequence[Device], batches: Iterable[int], dtypes: Iterable[DType] = (DType.float32,),
@@ -193,7 +156,7 @@ def run_shard_bench(devices: Sequence[Device], batches: Iterable[int], dtypes: I
     rows = []
     for state_dtype, batch in sweep(dtypes, list(batches), console, "sharded step"):
         timers: dict[str, Callable[[], float]] = {
-            variant: partial(steps.per_step_seconds, variant, state_dtype,
+            variant: partial(steps.per_link_seconds, variant, state_dtype,
                              steps.operands(variant, state_dtype, batch), repeats)
             for variant in SHARD_VARIANTS}
         measured = measure_rounds(SHARD_VARIANTS, rounds, timers)

@@ -103,22 +103,7 @@ class StepGraphs(ChainedGraphs):
             f"{kernels}|{sorted(self.tiling.items())}".encode()).hexdigest()[:8]
 
     def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
-        s = self.shape
-        where = DeviceRef.from_device(self.device)
-        f32, u32 = DType.float32, DType.uint32
-        width = 2 * s.num_key_heads * s.key_dim + s.num_value_heads * s.value_dim
-        inputs = [
-            BufferType(state_dtype, ["rows", s.num_value_heads, s.key_dim, s.value_dim], where),
-            BufferType(f32, ["ring_rows", s.num_key_heads, s.ring_len, s.layout.min_stride], where),
-            TensorType(f32, ["tokens", width], where),
-            TensorType(f32, ["tokens", s.num_value_heads] + ([s.key_dim] if s.gate == "channel" else []), where),
-            TensorType(f32, ["tokens", s.num_value_heads], where),
-            TensorType(u32, [s.num_layers, "batch"], where),
-            TensorType(u32, [s.num_layers, "batch"], where),
-            TensorType(u32, [s.num_layers, "batch"], where),
-            TensorType(u32, ["batch"], where),
-            TensorType(u32, ["offsets"], where),
-        ]
+        inputs = step_input_types(self.shape, state_dtype, DeviceRef.from_device(self.device))
         extensions = [] if variant in ("max", "kda") else [self.kernels]
         with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{links}", input_types=inputs,
                    custom_extensions=extensions) as graph:
@@ -209,6 +194,31 @@ def max_kda_decode(qkv: TensorValue, raw_gate: TensorValue, beta: TensorValue, p
                              output_dtype=DType.float32, gate_mode="original", beta_mode="probability")
     assert readout is not None
     return ops.reshape(readout, [tokens, nv * vd])
+
+
+#: Where the accepted counts sit among a step's operands (step_input_types, make_step_operands).
+ACCEPTED_AT = 8
+
+
+def step_input_types(shape: FoldShape, state_dtype: DType, where: DeviceRef) -> list[BufferType | TensorType]:
+    """The types of one step's operands on ``where``, in :func:`make_step_operands`'
+    order: the pool, the ring, qkv, decay, beta, the row, ring-row and previous ring-row
+    tables ``[num_layers, batch]``, the accepted counts and the offsets."""
+    s = shape
+    f32, u32 = DType.float32, DType.uint32
+    width = 2 * s.num_key_heads * s.key_dim + s.num_value_heads * s.value_dim
+    return [
+        BufferType(state_dtype, ["rows", s.num_value_heads, s.key_dim, s.value_dim], where),
+        BufferType(f32, ["ring_rows", s.num_key_heads, s.ring_len, s.layout.min_stride], where),
+        TensorType(f32, ["tokens", width], where),
+        TensorType(f32, ["tokens", s.num_value_heads] + ([s.key_dim] if s.gate == "channel" else []), where),
+        TensorType(f32, ["tokens", s.num_value_heads], where),
+        TensorType(u32, [s.num_layers, "batch"], where),
+        TensorType(u32, [s.num_layers, "batch"], where),
+        TensorType(u32, [s.num_layers, "batch"], where),
+        TensorType(u32, ["batch"], where),
+        TensorType(u32, ["offsets"], where),
+    ]
 
 
 def step_host_inputs(shape: FoldShape, batch: int, seed: int = 0) -> dict[str, np.ndarray]:

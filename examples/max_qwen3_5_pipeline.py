@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import shutil
@@ -218,8 +217,8 @@ def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MA
         # No device-graph capture (as `max generate`): on a GPU MAX would otherwise capture
         # a device graph per batch size and verify width while it builds each pipeline.
         speculative=speculative, runtime={"max_batch_size": 4, "device_graph_capture": False},
-        # Three pipelines live in this process one after another: each takes a tenth of
-        # the GPU for its cache instead of MAX's default nine tenths.
+        # Three pipelines, each in its own process, share the GPU at once: each takes a
+        # tenth of it for its cache instead of MAX's default nine tenths.
         kv_cache={"device_memory_utilization": 0.1},
     ))
 
@@ -255,8 +254,6 @@ def greedy_tokens(folder: Path, drafts: int, device: str, prompts: list[list[int
         while not batch.done:
             batch.step()
         sequences = batch.sequences
-    del pipeline, retrieved
-    gc.collect()  # the pipeline's cache goes back before the next one is built
     rows = [list(row[len(prompt):]) for row, prompt in zip(sequences, prompts, strict=True)]
     if min(len(row) for row in rows) < new_tokens:
         raise SystemExit(f"a request ended early: {[len(row) for row in rows]} new tokens, {new_tokens} asked")
@@ -273,9 +270,10 @@ async def prompt_contexts(tokenizer, prompts: list[list[int]], sampling):  # noq
         for prompt in prompts]
 
 
-#: The three decodings: name, draft tokens (0: plain), built under ``patched()``.
-DECODINGS = {"plain": (0, False), "speculative, MAX's fold": (None, False),
-             "speculative, patched()": (None, True)}
+#: The three decodings: name, speculative (with --drafts draft tokens) or plain, built
+#: under ``patched()``.
+DECODINGS = {"plain": (False, False), "speculative, MAX's fold": (True, False),
+             "speculative, patched()": (True, True)}
 TOKENS_LINE = "tokens: "
 
 
@@ -288,8 +286,8 @@ def decode_in_child(folder: Path, name: str, drafts: int, new_tokens: int) -> No
     """One decoding, in a process started by ``decode_side_by_side``: prints its tokens as
     JSON on a line of their own."""
     started = time.perf_counter()
-    steps, under_patch = DECODINGS[name]
-    tokens = greedy_tokens(folder, steps if steps is not None else drafts, "gpu", example_prompts(), new_tokens,
+    speculative, under_patch = DECODINGS[name]
+    tokens = greedy_tokens(folder, drafts if speculative else 0, "gpu", example_prompts(), new_tokens,
                            patched=under_patch)
     print(f"built and decoded in {time.perf_counter() - started:.0f} s", flush=True)
     print(TOKENS_LINE + json.dumps(tokens.tolist()), flush=True)

@@ -20,7 +20,7 @@ pytest.importorskip("max.pipelines.architectures.unified_mtp_qwen3_5.state_rollb
 from max.driver import CPU, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
-from max.graph import BufferType, DeviceRef, Graph, TensorType, ops  # noqa: E402
+from max.graph import BufferType, DeviceRef, Graph, TensorType, default_custom_extensions, ops  # noqa: E402
 from max.nn.state_space import gated_delta_state_fold, verify_width_operand  # noqa: E402
 from max.pipelines.architectures.qwen3_5.layers import gated_deltanet  # noqa: E402
 from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # noqa: E402
@@ -40,12 +40,15 @@ def test_patched_routes_the_fold_and_restores_max_on_exit() -> None:
         assert state_rollback.gated_delta_state_fold is state_fold
         assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
         assert max_qwen3_5.installed() == {"fold": True, "verify": False}
+        assert kernels_path() in default_custom_extensions()
         with max_qwen3_5.patched(verify=True):
             assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is max_qwen3_5.verify_like_max
         assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
         assert state_rollback.gated_delta_state_fold is state_fold
+        assert kernels_path() in default_custom_extensions()  # the outer block's, still
     assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
     assert max_qwen3_5.installed() == {"fold": False, "verify": False}
+    assert kernels_path() not in default_custom_extensions()
 
 
 def test_names_are_restored_after_an_exception() -> None:
@@ -53,6 +56,7 @@ def test_names_are_restored_after_an_exception() -> None:
         raise RuntimeError("inside")
     assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
     assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+    assert kernels_path() not in default_custom_extensions()
 
 
 def test_install_and_uninstall() -> None:
@@ -62,23 +66,27 @@ def test_install_and_uninstall() -> None:
         max_qwen3_5.install()
         assert max_qwen3_5.installed() == {"fold": True, "verify": False}
         assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+        assert default_custom_extensions().count(kernels_path()) == 1
     finally:
         max_qwen3_5.uninstall()
     assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
     assert max_qwen3_5.installed() == {"fold": False, "verify": False}
+    assert kernels_path() not in default_custom_extensions()
 
 
 @pytest.fixture(scope="module")
 def rollback_model() -> object:
     """MAX's ``fold_state_pools`` for one device, built under :func:`patched` into a CPU
-    graph, with the draft width symbolic as in MAX's graph."""
+    graph, with the draft width symbolic as in MAX's graph. The graph names no
+    ``custom_extensions``, as MAX's pipelines build theirs: :func:`patched` brings our
+    kernels."""
     inputs = [BufferType(DType.float32, ["rows", 4, 64, 64], HOST),
               BufferType(DType.float32, ["ring_rows", 2, 4, "stride"], HOST),
               TensorType(DType.uint32, ["layers", "batch"], HOST),
               TensorType(DType.uint32, ["layers", "batch"], HOST),
               TensorType(DType.uint32, ["batch"], HOST),
               TensorType(DType.int64, ["drafts"], HOST)]
-    with max_qwen3_5.patched(), Graph("rollback", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+    with max_qwen3_5.patched(), Graph("rollback", input_types=inputs) as graph:
         pool, ring, rows, ring_rows, accepted, width = graph.inputs
         state_rollback.fold_state_pools([pool.buffer], [rows.tensor], [ring.buffer], [ring_rows.tensor],
                                         accepted.tensor, [], width.tensor)

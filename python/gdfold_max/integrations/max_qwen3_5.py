@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from types import ModuleType
 from typing import Any
 
 from max.dtype import DType
-from max.graph import BufferValue, TensorType, TensorValue, ops
+from max.graph import BufferValue, TensorType, TensorValue, default_custom_extensions_scope, ops
 
-from ..graph import state_fold, when_no_drafts
+from ..graph import kernels_path, state_fold, when_no_drafts
 from ..graph_checks import static_size
 from ..window_graph import recurrence, verify_ring
 
@@ -54,6 +54,10 @@ VERIFY_SITE: tuple[ModuleType, str] = (gated_deltanet, "gated_delta_recurrence_v
 _lock = threading.RLock()
 #: The names MAX bound, kept while one of ours stands in their place.
 _originals: dict[str, Any] = {}
+#: While installed: holds our kernels among MAX's default custom extensions. MAX's
+#: pipelines build their graphs without ``custom_extensions``, so a graph they build while
+#: we are installed finds our kernels only there.
+_kernels: ExitStack | None = None
 
 
 def _key(site: tuple[ModuleType, str]) -> str:
@@ -72,20 +76,37 @@ def _route(site: tuple[ModuleType, str], ours: Any | None) -> None:
     setattr(module, name, ours)
 
 
+def _register_kernels(register: bool) -> None:
+    """Adds our kernel package to MAX's default custom extensions, or takes it out."""
+    global _kernels
+    if register and _kernels is None:
+        stack = ExitStack()
+        stack.enter_context(default_custom_extensions_scope(kernels_path()))
+        _kernels = stack
+    elif not register and _kernels is not None:
+        _kernels.close()
+        _kernels = None
+
+
 def install(*, verify: bool = False) -> None:
     """Routes MAX's Qwen3.5 fold (``fold_state_pools``, every device) to
     :func:`gdfold_max.state_fold`, and with ``verify=True`` the Gated DeltaNet layers'
-    verify to :func:`verify_like_max`. Calling it again replaces the earlier choice."""
+    verify to :func:`verify_like_max`; every graph built from then on links our kernels,
+    also one built without ``custom_extensions`` as MAX's pipelines build theirs.
+    Calling it again replaces the earlier choice."""
     with _lock:
         _route(FOLD_SITE, state_fold)
         _route(VERIFY_SITE, verify_like_max if verify else None)
+        _register_kernels(True)
 
 
 def uninstall() -> None:
-    """Puts MAX's own op names back."""
+    """Puts MAX's own op names back, and takes our kernels out of the graphs built from
+    then on."""
     with _lock:
         _route(FOLD_SITE, None)
         _route(VERIFY_SITE, None)
+        _register_kernels(False)
 
 
 def installed() -> dict[str, bool]:
@@ -104,6 +125,7 @@ def patched(*, verify: bool = False) -> Iterator[None]:
     with _lock:
         before = {site: getattr(site[0], site[1]) for site in (FOLD_SITE, VERIFY_SITE)}
         originals = dict(_originals)
+        kernels_before = _kernels is not None
         install(verify=verify)
     try:
         yield
@@ -113,6 +135,7 @@ def patched(*, verify: bool = False) -> Iterator[None]:
                 setattr(module, name, value)
             _originals.clear()
             _originals.update(originals)
+            _register_kernels(kernels_before)
 
 
 def verify_like_max(

@@ -12,7 +12,10 @@ are imported, so switching means rebinding the names there.
   it also runs on the CPU, where MAX's has no kernel. With ``verify=True`` the layers'
   verify runs :func:`gdfold_max.verify_ring` too: its ring records and pools are then
   those of our verify, bit for bit, and its readout differs from MAX's in the last bits
-  (our documented order of the sums over K; MAX's is not documented).
+  (our documented order of the sums over K; MAX's is not documented). While installed,
+  our kernel package is among MAX's default custom extensions
+  (``max.graph.default_custom_extensions``), since MAX's pipelines build their graphs
+  without naming any.
 * :class:`FusedGatedDeltaNet` is MAX's ``GatedDeltaNet`` with our verify that folds the
   previous step's records as it loads the state. MAX's pipeline cannot use it as it
   stands: its state bookkeeping hands each layer one ring row per request and keeps no

@@ -5,11 +5,15 @@ own heads.
 
     python examples/sharded_step.py                 # one shard per GPU (all of them)
     python examples/sharded_step.py --shards 2      # two GPUs
+    python examples/sharded_step.py --shards 1 --first-gpu 1  # the second GPU alone
     python examples/sharded_step.py --cpu --shards 2  # two shards on the CPU
+    python examples/sharded_step.py --separate-fold   # fold, then a plain verify
 
 Each step runs, in one MAX graph over the devices, every shard's verify with fold on
-load (the previous step's accepted records folded as the state loads), then checks
-the readouts, pools and rings of every shard. Across several GPUs the counts reach each
+load (the previous step's accepted records folded as the state loads), or with
+``--separate-fold`` every shard's fold of those records and then its plain verify, then
+checks the readouts, pools and rings of every shard against the reference (the same
+bits either way). Across several GPUs the counts reach each
 device by ``ops.distributed_broadcast`` (``max.nn.comm.Signals``); shards that share a
 device share the counts.
 """
@@ -22,14 +26,21 @@ import numpy as np
 from max.driver import CPU, Accelerator, Device, accelerator_count
 from max.dtype import DType
 from max.engine import InferenceSession
-from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 from max.nn.comm import Signals
 
 from gdfold_max import reference
 from gdfold_max.cases import random_window_case
 from gdfold_max.eager_base import copy_back, host_buffer
 from gdfold_max.graph import kernels_path
-from gdfold_max.sharded import shard_heads, shard_pool, shard_ring, shard_window_case, verify_shards
+from gdfold_max.sharded import (
+    fold_shards,
+    shard_heads,
+    shard_pool,
+    shard_ring,
+    shard_window_case,
+    verify_shards,
+)
 
 # A small model: 8 value heads over 4 key heads (G = 2), K = V = 32, RING_LEN 4.
 NUM_VALUE_HEADS, NUM_KEY_HEADS, K, V = 8, 4, 32, 32
@@ -37,10 +48,11 @@ TOKENS_PER_SHARD = 5  # qkv, decay, beta, pool, ring
 TABLES = ("row_ids", "ring_row_ids", "input_row_offsets", "previous_ring_row_ids", "previous_num_accepted")
 
 
-def build_graph(where: list[DeviceRef], operands: list[list[np.ndarray]], tables: dict[str, np.ndarray]
-                ) -> tuple[Graph, Signals | None]:
-    """One layer's verify with fold on load on every shard (shard i on where[i]), and the
-    signals whose buffers the graph takes when the shards span several devices."""
+def build_graph(where: list[DeviceRef], operands: list[list[np.ndarray]], tables: dict[str, np.ndarray],
+                separate_fold: bool = False) -> tuple[Graph, Signals | None]:
+    """One layer's verify with fold on load on every shard (shard i on where[i]), or with
+    ``separate_fold`` every shard's fold then its plain verify, and the signals whose
+    buffers the graph takes when the shards span several devices."""
     f32, u32 = DType.float32, DType.uint32
     inputs: list[TensorType | BufferType] = []
     for device, (qkv, decay, beta, pool, ring) in zip(where, operands, strict=True):
@@ -55,33 +67,43 @@ def build_graph(where: list[DeviceRef], operands: list[list[np.ndarray]], tables
     if len(distinct) > 1:
         signals = Signals(distinct)
         inputs += signals.input_types()
-    with Graph(f"sharded_step_{len(where)}", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+    name = f"sharded_{'fold_then_verify' if separate_fold else 'step'}_{len(where)}"
+    with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
         values = list(graph.inputs)
         per = TOKENS_PER_SHARD + len(TABLES) - 1
         shards = [values[i * per : (i + 1) * per] for i in range(len(where))]
         counts = values[len(where) * per].tensor
         signal_buffers = [v.buffer for v in values[len(where) * per + 1 :]]
+        pools, rings = [s[3].buffer for s in shards], [s[4].buffer for s in shards]
+        previous_rows = [s[8].tensor for s in shards]
+        if separate_fold:
+            # The fold's tables are [layers, batch]: this one layer's rows, and the rows
+            # the previous step recorded into.
+            fold_shards(pools, rings, [ops.unsqueeze(s[5].tensor, 0) for s in shards],
+                        [ops.unsqueeze(rows, 0) for rows in previous_rows], counts, signal_buffers)
         readouts = verify_shards(
             [s[0].tensor for s in shards], [s[1].tensor for s in shards], [s[2].tensor for s in shards],
-            [s[3].buffer for s in shards], [s[4].buffer for s in shards],
-            [s[5].tensor for s in shards], [s[6].tensor for s in shards], [s[7].tensor for s in shards],
-            previous_ring_row_ids=[s[8].tensor for s in shards], previous_num_accepted=counts,
-            signal_buffers=signal_buffers,
+            pools, rings, [s[5].tensor for s in shards], [s[6].tensor for s in shards],
+            [s[7].tensor for s in shards], previous_ring_row_ids=None if separate_fold else previous_rows,
+            previous_num_accepted=None if separate_fold else counts, signal_buffers=signal_buffers,
         )
         graph.output(*readouts)
     return graph, signals
 
 
-def run(num_shards: int, steps: int, on_cpu: bool) -> bool:
-    """Runs ``steps`` steps on ``num_shards`` shards; True when every shard matched."""
+def run(num_shards: int, steps: int, on_cpu: bool, first_gpu: int = 0, separate_fold: bool = False) -> bool:
+    """Runs ``steps`` steps on ``num_shards`` shards (on GPUs ``first_gpu`` on, or the
+    CPU); True when every shard matched."""
     if on_cpu:
         drivers: list[Device] = [CPU()] * num_shards
         where = [DeviceRef.CPU()] * num_shards
     else:
-        if accelerator_count() < num_shards:
-            raise SystemExit(f"--shards {num_shards}: only {accelerator_count()} GPUs here (--cpu runs on the CPU)")
-        drivers = [Accelerator(i) for i in range(num_shards)]
-        where = [DeviceRef.GPU(i) for i in range(num_shards)]
+        gpus = range(first_gpu, first_gpu + num_shards)
+        if first_gpu < 0 or accelerator_count() < gpus.stop:
+            raise SystemExit(f"--shards {num_shards} --first-gpu {first_gpu}: needs GPUs {gpus.start} to"
+                             f" {gpus.stop - 1}, and {accelerator_count()} are here (--cpu runs on the CPU)")
+        drivers = [Accelerator(i) for i in gpus]
+        where = [DeviceRef.GPU(i) for i in gpus]
     shards = shard_heads(NUM_VALUE_HEADS, NUM_KEY_HEADS, num_shards)
     session = InferenceSession(devices=list(dict.fromkeys(drivers)))
     model = None
@@ -92,7 +114,7 @@ def run(num_shards: int, steps: int, on_cpu: bool) -> bool:
         tables = {name: getattr(case, name) for name in TABLES}
         operands = [list(shard_window_case(case, shard)) for shard in shards]
         if model is None:
-            graph, signals = build_graph(where, operands, tables)
+            graph, signals = build_graph(where, operands, tables, separate_fold)
             model = session.load(graph)
             signal_buffers = signals.buffers() if signals is not None else []
         buffers = []
@@ -128,9 +150,12 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=None, help="default: one per GPU, or 1 with --cpu")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="every shard on the CPU")
+    parser.add_argument("--first-gpu", type=int, default=0, help="the GPU of the first shard (default 0)")
+    parser.add_argument("--separate-fold", action="store_true",
+                        help="fold the previous records, then a plain verify (default: fold on load)")
     args = parser.parse_args()
-    shards = args.shards or (1 if args.cpu else max(1, accelerator_count()))
-    if not run(shards, args.steps, args.cpu):
+    shards = args.shards or (1 if args.cpu else max(1, accelerator_count() - args.first_gpu))
+    if not run(shards, args.steps, args.cpu, args.first_gpu, args.separate_fold):
         raise SystemExit(1)
 
 

@@ -1,6 +1,7 @@
 """Tensor-parallel shards by heads: each shard's ops equal the unsharded ops on its heads,
-bit for bit, and a graph over the devices (one here: the CPU; a GPU on the GPU machine)
-runs every device's verify with fold on load, and fold, against the reference."""
+bit for bit, and a graph over the devices (the CPU here; on a GPU machine the first GPU,
+the second, and both) runs every device's verify with fold on load, or its fold then its
+plain verify, against the reference."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from max.driver import CPU
+from max.driver import CPU, accelerator_count
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType
@@ -97,10 +98,38 @@ def test_example_graph_of_shards_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
     assert "every step matched" in out
 
 
+def test_example_graph_of_shards_folding_then_verifying_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The same steps with every shard's fold, then its plain verify: the same bits."""
+    out = run_example(monkeypatch, capsys, "--cpu", "--shards", "2", "--separate-fold")
+    assert out.count("2 shards, every shard bit-exact") == 2
+    assert "every step matched" in out
+
+
+def test_example_refuses_gpus_that_are_not_there(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    beyond = str(accelerator_count())
+    with pytest.raises(SystemExit, match=f"--first-gpu {beyond}: needs GPUs {beyond} to {beyond}"):
+        run_example(monkeypatch, capsys, "--shards", "1", "--first-gpu", beyond)
+
+
+NEEDS_TWO_GPUS = pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")
+
+
 @pytest.mark.gpu
-def test_example_graph_of_one_shard_on_a_gpu(monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_example(monkeypatch, capsys, "--shards", "1")
+@pytest.mark.parametrize("args", [
+    pytest.param(("--shards", "1"), id="gpu0-fold-on-load"),
+    pytest.param(("--shards", "1", "--separate-fold"), id="gpu0-separate-fold"),
+    pytest.param(("--shards", "1", "--first-gpu", "1"), id="gpu1-fold-on-load", marks=NEEDS_TWO_GPUS),
+    pytest.param(("--shards", "2"), id="gpu0-gpu1-fold-on-load", marks=NEEDS_TWO_GPUS),
+    pytest.param(("--shards", "2", "--separate-fold"), id="gpu0-gpu1-separate-fold", marks=NEEDS_TWO_GPUS),
+])
+def test_example_graph_of_shards_on_gpus(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                         args: tuple[str, ...]) -> None:
+    """Every shard bit-exact on its GPU: the first alone, the second alone, and two with
+    the counts broadcast between them."""
+    out = run_example(monkeypatch, capsys, *args)
+    assert out.count("every shard bit-exact") == 2
     assert "every step matched" in out
 
 

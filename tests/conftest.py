@@ -27,6 +27,10 @@ def has_accelerator() -> bool:
     return accelerator_count() > 0
 
 
+#: For the cases of several devices: the GPU machine may hold only one.
+NEEDS_TWO_GPUS = pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if has_accelerator():
         return

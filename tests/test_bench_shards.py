@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from max.driver import CPU, Accelerator, accelerator_count
+from max.driver import CPU, Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 from typer.testing import CliRunner
 
+from conftest import NEEDS_TWO_GPUS
 from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_shards import ShardedSteps, run_shard_bench, shard_shape
 from gdfold_max.cli import app
@@ -59,7 +60,7 @@ def test_one_shard_on_a_gpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")
+@NEEDS_TWO_GPUS
 def test_two_shards_on_two_gpus_broadcast_the_counts() -> None:
     check_rows(run_shard_bench([Accelerator(0), Accelerator(1)], [2], [DType.float32], shape=TINY, chain=2,
                                repeats=1), 2)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("max.pipelines.architectures.unified_mtp_qwen3_5.state_rollback",
                     reason="MAX's pipelines need the max-pipelines extra")
 
-from max.driver import Accelerator, Buffer, accelerator_count  # noqa: E402
+from max.driver import Accelerator, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
 from max.graph import BufferType, DeviceRef, Graph, TensorType  # noqa: E402
@@ -22,7 +22,7 @@ from max.nn.comm import Signals  # noqa: E402
 from max.nn.state_space import verify_width_operand  # noqa: E402
 from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # noqa: E402
 
-from conftest import assert_bits_equal  # noqa: E402
+from conftest import NEEDS_TWO_GPUS, assert_bits_equal  # noqa: E402
 from gdfold_max import kernels_path, reference  # noqa: E402
 from gdfold_max.cases import random_fold_case  # noqa: E402
 from gdfold_max.eager_base import copy_back  # noqa: E402
@@ -75,8 +75,8 @@ def rollback_over(gpus: list[int], case: object) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("gpus", [
     pytest.param([0], id="gpu0"),
-    pytest.param([1], id="gpu1", marks=pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")),
-    pytest.param([0, 1], id="gpu0-gpu1", marks=pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")),
+    pytest.param([1], id="gpu1", marks=NEEDS_TWO_GPUS),
+    pytest.param([0, 1], id="gpu0-gpu1", marks=NEEDS_TWO_GPUS),
 ])
 def test_max_rollback_under_patched_folds_every_device_s_heads_bit_exactly(gpus: list[int]) -> None:
     """Several layers, shuffled tables, counts of 0, 1, a full ring and past the ring."""

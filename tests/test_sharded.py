@@ -16,7 +16,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from conftest import assert_bits_equal
+from conftest import NEEDS_TWO_GPUS, assert_bits_equal
 from gdfold_max import reference, runner_for
 from gdfold_max.cases import WindowCase, random_fold_case, random_window_case
 from gdfold_max.eager_base import host_buffer
@@ -111,9 +111,6 @@ def test_example_refuses_gpus_that_are_not_there(monkeypatch: pytest.MonkeyPatch
     beyond = str(accelerator_count())
     with pytest.raises(SystemExit, match=f"--first-gpu {beyond}: needs GPUs {beyond} to {beyond}"):
         run_example(monkeypatch, capsys, "--shards", "1", "--first-gpu", beyond)
-
-
-NEEDS_TWO_GPUS = pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")
 
 
 @pytest.mark.gpu

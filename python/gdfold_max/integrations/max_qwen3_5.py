@@ -128,7 +128,6 @@ def patched(*, verify: bool = False) -> Iterator[None]:
     with _lock:
         before = {site: getattr(site[0], site[1]) for site in (FOLD_SITE, VERIFY_SITE)}
         originals = dict(_originals)
-        kernels_before = _kernels is not None
         install(verify=verify)
     try:
         yield
@@ -138,7 +137,8 @@ def patched(*, verify: bool = False) -> Iterator[None]:
                 setattr(module, name, value)
             _originals.clear()
             _originals.update(originals)
-            _register_kernels(kernels_before)
+            # Our kernels stay registered exactly while our fold is routed.
+            _register_kernels(_key(FOLD_SITE) in _originals)
 
 
 def verify_like_max(

@@ -31,6 +31,15 @@ def has_accelerator() -> bool:
 NEEDS_TWO_GPUS = pytest.mark.skipif(accelerator_count() < 2, reason="needs two GPUs")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # MAX compiles some of its Python bindings (Mojo sources, such as max.nn's KV-cache ops)
+    # into site-packages the first time they are imported. In a fresh environment pytest-xdist's
+    # workers import them all at once and race on the file ("file too short"); importing them
+    # here first, in the process that starts the workers, builds them once.
+    if not hasattr(config, "workerinput"):
+        import max.nn  # noqa: F401
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if has_accelerator():
         return

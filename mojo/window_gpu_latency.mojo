@@ -31,10 +31,11 @@ i-th. Per-channel gates run on this kernel alone.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
-from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
+from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
 from std.math import fma
+from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
@@ -163,6 +164,7 @@ def windows_gpu_latency_kernel[
     FOLD_PREVIOUS: Bool,
     CV: Int,
     CHANNEL: Bool = False,
+    WALK_SLABS: Int = 1,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -184,13 +186,20 @@ def windows_gpu_latency_kernel[
     record_stride_i32: Int32,
     dependent_i32: Int32,
 ):
+    """One warp's unit: a request on WALK_SLABS neighbouring slabs of one value head,
+    taken one after another (a pass each). With one slab (the latency kernel) a unit is
+    as small as it gets; with a whole head's slabs (the walking kernel, window_launch's
+    GPU_PATH_WALK) the ids, the staged tokens and records, the norms and the ring's keys
+    are a unit's once for all its passes, while each pass's state still lives in
+    registers and the next pass's rows are asked of L2 as the current one computes."""
     comptime SLAB = latency_slab_columns[CV]()
-    comptime SLABS = V // SLAB
+    comptime UNIT_COLUMNS = WALK_SLABS * SLAB
+    comptime UNITS_PER_HEAD = V // UNIT_COLUMNS
     comptime ROWS = K // REDUCTION_LANES
     comptime CHUNK = WINDOW_CHUNK
     comptime NATURAL = natural_pitch[K]()
     comptime Columns = SIMD[DType.float32, CV]
-    comptime assert V % SLAB == 0, "V must be a multiple of the slab"
+    comptime assert WALK_SLABS >= 1 and V % UNIT_COLUMNS == 0, "a unit's slabs must divide V"
     comptime scale = query_scale[K]()
     var num_value_heads = Int(num_value_heads_i32)
     var num_key_heads = Int(num_key_heads_i32)
@@ -199,19 +208,19 @@ def windows_gpu_latency_kernel[
     var group_size = num_value_heads // num_key_heads
     var readout_width = num_value_heads * V
 
-    # The unit: request `request` on slab `slab` of value head `value_head`.
+    # The unit: request `request` on the slabs from column `unit_start` of value head
+    # `value_head`.
     var unit = Int(block_idx.x)
-    var slab = unit % SLABS
-    var value_head = (unit // SLABS) % num_value_heads
-    var request = unit // (SLABS * num_value_heads)
+    var unit_start = (unit % UNITS_PER_HEAD) * UNIT_COLUMNS
+    var value_head = (unit // UNITS_PER_HEAD) % num_value_heads
+    var request = unit // (UNITS_PER_HEAD * num_value_heads)
     if request >= Int(batch_i32):
         return
     var key_head = value_head // group_size
     var group_slot = value_head - key_head * group_size
     var tid = Int(thread_idx.x)
     var lane = tid % REDUCTION_LANES
-    var group_column = (tid // REDUCTION_LANES) * CV
-    var column = slab * SLAB + group_column  # this thread's first column in the head
+    var group_column = (tid // REDUCTION_LANES) * CV  # this thread's first column in a slab
     var slot = slab_slot[CV](lane)
     # One lane of each column stores its sums.
     var writes_column = (lane & (REDUCTION_LANES // CV - 1)) == 0
@@ -219,15 +228,17 @@ def windows_gpu_latency_kernel[
     # 0. Launched as a programmatic dependent (`dependent`, window_launch.mojo), the
     # unit may start while the kernel before it on the stream still runs, possibly
     # writing the pool, the ring or the tables. Until the wait it only asks L2 for the
-    # state rows, and the records a fold on load reads, at the ids it reads now: hints
-    # that save a trip to memory when right and cost nothing else when wrong.
+    # state rows of its first slab, and the records a fold on load reads, at the ids it
+    # reads now: hints that save a trip to memory when right and cost nothing else when
+    # wrong.
     var num_rows = Int(num_rows_i32)
     var num_ring_rows = Int(num_ring_rows_i32)
     if dependent_i32 != 0:
         var hinted_row = Int(load_hint(row_ids.unsafe_offset(request)))
         if hinted_row < num_rows:
             var hinted_rows = state.unsafe_offset(
-                hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V + column
+                hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V
+                + unit_start + group_column
             )
             comptime for m in range(ROWS):
                 prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
@@ -240,7 +251,7 @@ def windows_gpu_latency_kernel[
                 )
                 prefetch_record_lines[K, V, CHANNEL](
                     ring, hinted_records, hinted_count, record_stride, group_size, group_slot,
-                    slab * SLAB, tid,
+                    unit_start, tid,
                 )
         wait_for_previous_grid()
         # Every block of this kernel has started: the next kernel's blocks may take the
@@ -271,23 +282,22 @@ def windows_gpu_latency_kernel[
         # Never follow an id out of bounds; make the request's readout loudly invalid.
         if writes_column:
             for t in range(start, end):
-                readout[unsafe_offset=t * readout_width + value_head * V + column + slot] = nan[
-                    DType.float32
-                ]()
+                for s in range(WALK_SLABS):
+                    readout[unsafe_offset=t * readout_width + value_head * V + unit_start
+                        + s * SLAB + group_column + slot] = nan[DType.float32]()
         return
 
-    # The warp's shared memory: a chunk of tokens (q and k as they arrive, the slab's
+    # The warp's shared memory: a chunk of tokens (q and k as they arrive, the unit's
     # value columns, decay and beta) and a chunk of records (keys, deltas, decays).
     var pairs = shared_floats[CHUNK * 2 * NATURAL]()
-    var values = shared_floats[CHUNK * SLAB]()
+    var values = shared_floats[CHUNK * UNIT_COLUMNS]()
     var scalars = shared_floats[CHUNK * TOKEN_SCALARS]()
     var record_keys = shared_floats[(CHUNK * NATURAL if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
-    var record_deltas = shared_floats[(CHUNK * SLAB if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
+    var record_deltas = shared_floats[(CHUNK * UNIT_COLUMNS if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
     # A decay per record, or (per-channel gates) K of them; the tokens' K decays too.
     comptime DECAYS = K if CHANNEL else 1
     var record_decays = shared_floats[CHUNK * DECAYS + COPY_FLOATS]()
     var token_decays = shared_floats[(CHUNK * K if CHANNEL else 0) + COPY_FLOATS]()
-    var slab_start = slab * SLAB
 
     @always_inline
     def copy_tokens(first: Int, count: Int) {imm}:
@@ -300,8 +310,8 @@ def windows_gpu_latency_kernel[
             pairs.unsafe_offset(NATURAL), qkv, token + (num_key_heads + key_head) * K,
             qkv_width, count, tid,
         )
-        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
-            values, qkv, token + 2 * num_key_heads * K + value_head * V + slab_start,
+        copy_rows_async[UNIT_COLUMNS, CHUNK, WARP_THREADS](
+            values, qkv, token + 2 * num_key_heads * K + value_head * V + unit_start,
             qkv_width, count, tid,
         )
         var at = first * num_value_heads + value_head
@@ -327,8 +337,8 @@ def windows_gpu_latency_kernel[
         copy_rows_async[K, CHUNK, WARP_THREADS, NATURAL](
             record_keys, ring, base + key_offset(), record_stride, count, tid
         )
-        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
-            record_deltas, ring, base + delta_offset[K, V](group_slot) + slab_start,
+        copy_rows_async[UNIT_COLUMNS, CHUNK, WARP_THREADS](
+            record_deltas, ring, base + delta_offset[K, V](group_slot) + unit_start,
             record_stride, count, tid,
         )
         comptime if CHANNEL:
@@ -367,118 +377,172 @@ def windows_gpu_latency_kernel[
         else:
             return Array[Float32, ROWS](fill=scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT])
 
-    # 1. Everything the unit needs first is in flight at once.
-    var state_rows = state.unsafe_offset(
-        row * (num_value_heads * K * V) + value_head * K * V + lane * V + column
+    # A window or a fold longer than one chunk leaves its last chunk in the buffers, so
+    # every pass after the first stages its first chunks again; otherwise one staging
+    # serves all the unit's passes.
+    var restage = end - start > CHUNK or accepted > CHUNK
+    var head_rows = state.unsafe_offset(
+        row * (num_value_heads * K * V) + value_head * K * V + lane * V + group_column
     )
-    var first_records = min(CHUNK, accepted)
-    if first_records > 0:
-        copy_records(0, first_records)
-    copy_tokens(start, min(CHUNK, end - start))
-    async_copy_commit_group()
-    # held[m] is state row m * 8 + lane of the thread's CV columns.
-    var held = Array[Columns, ROWS](uninitialized=True)
-    comptime for m in range(ROWS):
-        held[m] = state_rows.unsafe_load[width=CV, alignment=CV * size_of[state_dtype]()](
-            m * REDUCTION_LANES * V
-        ).cast[DType.float32]()
-
-    @always_inline
-    def store_state() {mut}:
-        comptime for m in range(ROWS):
-            state_rows.unsafe_store[alignment=CV * size_of[state_dtype]()](
-                m * REDUCTION_LANES * V, held[m].cast[state_dtype]()
-            )
-
-    async_copy_wait_all()
-    syncwarp()
-
-    # 2. Fold on load: the previous step's accepted records, as the fold applies them.
-    comptime if FOLD_PREVIOUS:
-        if accepted > 0:
-            for chunk_start in range(0, accepted, CHUNK):
-                var count = min(CHUNK, accepted - chunk_start)
-                if chunk_start > 0:
-                    syncwarp()  # every lane is done with the previous chunk
-                    copy_records(chunk_start, count)
-                    async_copy_commit_group()
-                    async_copy_wait_all()
-                    syncwarp()
-                for t in range(count):
-                    var d = lane_decays(record_decays, t)
-                    var u = record_deltas.unsafe_load[width=CV, alignment=CV * 4](
-                        t * SLAB + group_column
-                    )
-                    var k = lane_values(record_keys, t * NATURAL)
-                    comptime for m in range(ROWS):
-                        held[m] = fma(Columns(k[m]), u, held[m] * d[m])
-            # What a separate fold leaves in the pool, and what the window reads back.
-            comptime for m in range(ROWS):
-                held[m] = held[m].cast[state_dtype]().cast[DType.float32]()
-            if not commit:
-                store_state()
-
-    # 3. The window, a chunk of tokens at a time.
     var record_row_base = (ring_row * num_key_heads + key_head) * RING_LEN
     var records = RECORD and not commit
-    for chunk_start in range(start, end, CHUNK):
-        var count = min(CHUNK, end - chunk_start)
-        if chunk_start > start:
-            syncwarp()  # every lane is done with the previous chunk
-            copy_tokens(chunk_start, count)
+    # The chunk's norms, once: 1/|k| and q's scale 1/|q| * 1/sqrt(K).
+    var inverse_key_norms = Array[Float32, CHUNK](fill=0.0)
+    var query_scales = Array[Float32, CHUNK](fill=0.0)
+
+    # Walking, the next pass's state rows come into shared memory while this pass
+    # computes, by copies each thread makes of its own rows (so no lane waits for
+    # another): row m of thread `tid` at (m * 32 + tid) * CV, conflict-free, in two
+    # buffers so that a copy never lands where the pass before may still be reading.
+    comptime PREFETCH_STATE = WALK_SLABS > 1
+    comptime NEXT_ROWS = ROWS * WARP_THREADS * CV if PREFETCH_STATE else CV
+    comptime ROW_BYTES = CV * size_of[state_dtype]()
+    var next_rows = stack_allocation[
+        2 * NEXT_ROWS, state_dtype, alignment=16, address_space=AddressSpace.SHARED
+    ]()
+
+    for walked in range(WALK_SLABS):
+        var slab_start = unit_start + walked * SLAB  # the pass's first column in the head
+        var staged_column = walked * SLAB + group_column  # in the staged value columns
+        var column = slab_start + group_column
+        var slab = slab_start // SLAB
+        var staging = walked == 0 or restage
+
+        # 1. Everything the pass needs first is in flight at once.
+        var state_rows = head_rows.unsafe_offset(slab_start)
+        if staging:
+            if walked > 0:
+                syncwarp()  # every lane is done with the previous pass's chunks
+            var first_records = min(CHUNK, accepted)
+            if first_records > 0:
+                copy_records(0, first_records)
+            copy_tokens(start, min(CHUNK, end - start))
             async_copy_commit_group()
+        # held[m] is state row m * 8 + lane of the thread's CV columns.
+        var held = Array[Columns, ROWS](uninitialized=True)
+        var arrived = next_rows.unsafe_offset((walked % 2) * NEXT_ROWS + tid * CV)
+        if walked == 0:
+            comptime for m in range(ROWS):
+                held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
+                    m * REDUCTION_LANES * V
+                ).cast[DType.float32]()
+
+        @always_inline
+        def store_state() {mut}:
+            comptime for m in range(ROWS):
+                state_rows.unsafe_store[alignment=ROW_BYTES](
+                    m * REDUCTION_LANES * V, held[m].cast[state_dtype]()
+                )
+
+        if staging or (PREFETCH_STATE and walked > 0):
             async_copy_wait_all()
+        if staging:
             syncwarp()
-        # The chunk's norms, once: 1/|k| and q's scale 1/|q| * 1/sqrt(K).
-        var inverse_key_norms = Array[Float32, CHUNK](fill=0.0)
-        var query_scales = Array[Float32, CHUNK](fill=0.0)
-        comptime for c in range(CHUNK):
-            if c < count:
-                var k = lane_values(pairs, (2 * c + 1) * NATURAL)
-                var q = lane_values(pairs, 2 * c * NATURAL)
-                var k_squares = Float32(0.0)
-                var q_squares = Float32(0.0)
+        comptime if PREFETCH_STATE:
+            if walked > 0:
                 comptime for m in range(ROWS):
-                    k_squares = fma(k[m], k[m], k_squares)
-                    q_squares = fma(q[m], q[m], q_squares)
-                inverse_key_norms[c] = Float32(1.0) / rounded_sqrt(lane_sum(k_squares) + L2_EPS)
-                query_scales[c] = (Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)) * scale
-        # Unrolled, so that a token's readout shuffles overlap the next token's sums.
-        comptime for c in range(CHUNK):
-            if c < count:
-                var token = chunk_start + c
-                var d = token_lane_decays(c)
-                var b = scalars[unsafe_offset=c * TOKEN_SCALARS + BETA_AT]
-                var inv_k = inverse_key_norms[c]
-                var k = lane_values(pairs, (2 * c + 1) * NATURAL)
-                # kv = S^T k on the decayed state.
-                var partial = Columns(0.0)
+                    held[m] = arrived.unsafe_load[width=CV, alignment=ROW_BYTES](
+                        m * WARP_THREADS * CV
+                    ).cast[DType.float32]()
+            # The next pass's rows, issued after the wait so that they stay in flight
+            # through this pass.
+            if walked + 1 < WALK_SLABS:
+                var following = state_rows.unsafe_offset(SLAB)
+                var landing = next_rows.unsafe_offset(((walked + 1) % 2) * NEXT_ROWS + tid * CV)
                 comptime for m in range(ROWS):
-                    held[m] = held[m] * d[m]
-                    partial = fma(held[m], Columns(k[m]), partial)
-                var kv = slab_column_sum[CV](partial, lane)
-                var v = values[unsafe_offset=c * SLAB + group_column + slot]
-                var u = (b * fma(-kv, inv_k, v)) * inv_k
-                var u_columns = slab_gather[CV](u, lane)
-                # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
-                var q = lane_values(pairs, 2 * c * NATURAL)
-                var q_scale = query_scales[c]
-                var out = Columns(0.0)
+                    async_copy[ROW_BYTES](
+                        following.unsafe_offset(m * REDUCTION_LANES * V).unsafe_address_space_cast[
+                            AddressSpace.GLOBAL
+                        ](),
+                        landing.unsafe_offset(m * WARP_THREADS * CV),
+                    )
+                async_copy_commit_group()
+
+        # 2. Fold on load: the previous step's accepted records, as the fold applies them.
+        comptime if FOLD_PREVIOUS:
+            if accepted > 0:
+                for chunk_start in range(0, accepted, CHUNK):
+                    var count = min(CHUNK, accepted - chunk_start)
+                    if chunk_start > 0:
+                        syncwarp()  # every lane is done with the previous chunk
+                        copy_records(chunk_start, count)
+                        async_copy_commit_group()
+                        async_copy_wait_all()
+                        syncwarp()
+                    for t in range(count):
+                        var d = lane_decays(record_decays, t)
+                        var u = record_deltas.unsafe_load[width=CV, alignment=CV * 4](
+                            t * UNIT_COLUMNS + staged_column
+                        )
+                        var k = lane_values(record_keys, t * NATURAL)
+                        comptime for m in range(ROWS):
+                            held[m] = fma(Columns(k[m]), u, held[m] * d[m])
+                # What a separate fold leaves in the pool, and what the window reads back.
                 comptime for m in range(ROWS):
-                    held[m] = fma(Columns(k[m]), u_columns, held[m])
-                    out = fma(held[m], Columns(q[m] * q_scale), out)
-                var o = slab_column_sum[CV](out, lane)
-                if writes_column:
-                    readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
-                    if records:
-                        ring[unsafe_offset=(record_row_base + token - start) * record_stride
-                            + delta_offset[K, V](group_slot) + column + slot] = u
-        comptime if RECORD:
-            if records:
-                # The raw keys (once per key head) and the decays (once per value head).
-                var first = (record_row_base + chunk_start - start) * record_stride
-                comptime KEY_VECTORS = K // COPY_FLOATS
-                if slab == 0:
+                    held[m] = held[m].cast[state_dtype]().cast[DType.float32]()
+                if not commit:
+                    store_state()
+
+        # 3. The window, a chunk of tokens at a time.
+        for chunk_start in range(start, end, CHUNK):
+            var count = min(CHUNK, end - chunk_start)
+            if chunk_start > start:
+                syncwarp()  # every lane is done with the previous chunk
+                copy_tokens(chunk_start, count)
+                async_copy_commit_group()
+                async_copy_wait_all()
+                syncwarp()
+            if staging or chunk_start > start:
+                comptime for c in range(CHUNK):
+                    if c < count:
+                        var k = lane_values(pairs, (2 * c + 1) * NATURAL)
+                        var q = lane_values(pairs, 2 * c * NATURAL)
+                        var k_squares = Float32(0.0)
+                        var q_squares = Float32(0.0)
+                        comptime for m in range(ROWS):
+                            k_squares = fma(k[m], k[m], k_squares)
+                            q_squares = fma(q[m], q[m], q_squares)
+                        inverse_key_norms[c] = Float32(1.0) / rounded_sqrt(
+                            lane_sum(k_squares) + L2_EPS
+                        )
+                        query_scales[c] = (
+                            Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)
+                        ) * scale
+            # Unrolled, so that a token's readout shuffles overlap the next token's sums.
+            comptime for c in range(CHUNK):
+                if c < count:
+                    var token = chunk_start + c
+                    var d = token_lane_decays(c)
+                    var b = scalars[unsafe_offset=c * TOKEN_SCALARS + BETA_AT]
+                    var inv_k = inverse_key_norms[c]
+                    var k = lane_values(pairs, (2 * c + 1) * NATURAL)
+                    # kv = S^T k on the decayed state.
+                    var partial = Columns(0.0)
+                    comptime for m in range(ROWS):
+                        held[m] = held[m] * d[m]
+                        partial = fma(held[m], Columns(k[m]), partial)
+                    var kv = slab_column_sum[CV](partial, lane)
+                    var v = values[unsafe_offset=c * UNIT_COLUMNS + staged_column + slot]
+                    var u = (b * fma(-kv, inv_k, v)) * inv_k
+                    var u_columns = slab_gather[CV](u, lane)
+                    # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
+                    var q = lane_values(pairs, 2 * c * NATURAL)
+                    var q_scale = query_scales[c]
+                    var out = Columns(0.0)
+                    comptime for m in range(ROWS):
+                        held[m] = fma(Columns(k[m]), u_columns, held[m])
+                        out = fma(held[m], Columns(q[m] * q_scale), out)
+                    var o = slab_column_sum[CV](out, lane)
+                    if writes_column:
+                        readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
+                        if records:
+                            ring[unsafe_offset=(record_row_base + token - start) * record_stride
+                                + delta_offset[K, V](group_slot) + column + slot] = u
+            comptime if RECORD:
+                if records and slab == 0:
+                    # The raw keys (once per key head) and the decays (once per value head).
+                    var first = (record_row_base + chunk_start - start) * record_stride
+                    comptime KEY_VECTORS = K // COPY_FLOATS
                     comptime if CHANNEL:
                         for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
                             var c = i // KEY_VECTORS
@@ -506,6 +570,6 @@ def windows_gpu_latency_kernel[
                                 ),
                             )
 
-    # 4. A forward, or a window too long for the ring, commits the state.
-    if commit and (end > start or accepted > 0):
-        store_state()
+        # 4. A forward, or a window too long for the ring, commits the state.
+        if commit and (end > start or accepted > 0):
+            store_state()

@@ -49,6 +49,10 @@ comptime WINDOW_GPU_CAPABILITY_MAJOR = 9
 comptime GPU_PATH_AUTO = 0
 comptime GPU_PATH_LATENCY = 1
 comptime GPU_PATH_THROUGHPUT = 2
+# The walking kernel: the latency kernel's warp, but each warp takes every slab of one
+# request's value head in turn, so the per-unit work (ids, staging, norms, the ring's
+# keys) is a head's once instead of a slab's.
+comptime GPU_PATH_WALK = 3
 # The latency kernel (one warp per request on one column slab) runs automatic launches
 # of at most this many of its warps per SM; larger ones go to the throughput kernel,
 # whose resident blocks overlap one unit's copies with another's arithmetic. Zero: on an
@@ -62,10 +66,10 @@ comptime LATENCY_WARPS_PER_SM = 0
 def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
     comptime if GPU_PATH == GPU_PATH_LATENCY:
         return True
-    elif GPU_PATH == GPU_PATH_THROUGHPUT:
+    elif GPU_PATH == GPU_PATH_THROUGHPUT or GPU_PATH == GPU_PATH_WALK:
         return False
     else:
-        comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1 or 2"
+        comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1, 2 or 3"
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
@@ -315,6 +319,24 @@ def run_windows[
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
+        comptime if GPU_PATH == GPU_PATH_WALK:
+            comptime WALK_SLABS = V // latency_slab_columns[LATENCY_CV]()
+            comptime walk_kernel = windows_gpu_latency_kernel[
+                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL,
+                WALK_SLABS,
+            ]
+            var walk_units = batch * num_value_heads
+            var walk_dependent = walk_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
+            ctx.enqueue_function[walk_kernel](
+                readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
+                previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
+                Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
+                Int32(num_key_heads), Int32(record_stride), Int32(1 if walk_dependent else 0),
+                grid_dim=walk_units,
+                block_dim=WARP_THREADS,
+                attributes=dependent_launch(walk_dependent),
+            )
+            return
         if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
             comptime latency_kernel = windows_gpu_latency_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL

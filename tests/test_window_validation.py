@@ -220,11 +220,11 @@ def test_gpu_path_names_its_kernel_and_bad_names_are_refused() -> None:
     from gdfold_max.window_graph import gpu_tiling
 
     f32 = DType.float32
-    assert [gpu_tiling(f32, 64, 64, None, None, gpu_path=p)["GPU_PATH"] for p in ("auto", "latency", "throughput")] == [
-        0, 1, 2]
-    with pytest.raises(ValueError, match="gpu_path: 'fast' must be one of 'auto', 'latency', 'throughput'"):
+    paths = ("auto", "latency", "throughput", "walk")
+    assert [gpu_tiling(f32, 64, 64, None, None, gpu_path=p)["GPU_PATH"] for p in paths] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="gpu_path: 'fast' must be one of 'auto', 'latency', 'throughput', 'walk'"):
         gpu_tiling(f32, 64, 64, None, None, gpu_path="fast")
-    with pytest.raises(ValueError, match="gpu_path: 'fast' must be one of 'auto', 'latency', 'throughput'"):
+    with pytest.raises(ValueError, match="gpu_path: 'fast' must be one of 'auto', 'latency', 'throughput', 'walk'"):
         runner_for("cpu", "fast")
 
 

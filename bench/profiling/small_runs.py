@@ -1,13 +1,13 @@
 """Small eager runs of every GPU kernel path, each checked bit for bit against the numpy
 reference: the fold (fp32 and bf16 pools), the verify, the verify with fold on load and
 the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN and an empty
-one), on both GPU window kernels (the latency kernel and the throughput kernel, each
+one), on the three GPU window kernels (the latency, throughput and walking kernels, each
 forced), the throughput kernel with claimed units (more units than resident blocks
 at a narrow column tile), and per-channel gates (the fold, and the latency kernel's
-verify, fold on load and forward). Small enough to run under compute-sanitizer
+verify, fold on load and forward; the walking kernel's too). Small enough to run under compute-sanitizer
 (sanitize.sh), which runs the groups side by side:
 
-    python bench/profiling/small_runs.py [GROUP ...]    # fold latency throughput claimed channel
+    python bench/profiling/small_runs.py [GROUP ...]    # fold latency throughput claimed channel walk
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ GROUPS = {
     "claimed": lambda: run_windows("claimed units", WindowRunner("gpu", column_tile=8, requests_per_block=3,
                                                                  gpu_path="throughput")),
     "channel": run_channel,
+    "walk": lambda: (run_windows("walking kernel", WindowRunner("gpu", gpu_path="walk")),
+                     run_windows("walking kernel, per-channel gates", WindowRunner("gpu", gpu_path="walk"), "channel")),
 }
 
 

@@ -34,7 +34,7 @@ from rich.console import Console
 from gdfold_max.bench_harness import FoldShape, compile_together, measure_rounds
 from gdfold_max.bench_step import StepGraphs, make_step_operands, step_host_inputs
 
-PATHS = ("latency", "throughput")
+PATHS = ("latency", "throughput", "walk")
 OURS = ("fused", "forward")
 
 

@@ -2,12 +2,14 @@
 times, so a profiler can attach to it:
 
     ncu --launch-skip 2 --launch-count 1 --set full \\
-        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH [DTYPE [VARIANT]]
+        python bench/profiling/profile_window.py COLUMN_TILE REQUESTS_PER_BLOCK BATCH [DTYPE [VARIANT [GPU_PATH]]]
 
 REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default). DTYPE is the pool's,
 float32 (the default) or bfloat16. VARIANT is `fused` (the default) or `forward`: the
 same kernel without records, whose counts beside the fused one's say what the records
-cost.
+cost. GPU_PATH is the window kernel, as `gpu_path` of the ops: auto (the default),
+latency, throughput or walk (COLUMN_TILE and REQUESTS_PER_BLOCK shape the throughput
+kernel only).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from max.engine import InferenceSession
 
 from gdfold_max.bench_harness import FoldShape
 from gdfold_max.bench_step import StepGraphs, make_step_operands
+from gdfold_max.window_graph import GPU_PATHS
 
 
 def main() -> None:
@@ -30,11 +33,14 @@ def main() -> None:
     variant = sys.argv[5] if len(sys.argv) > 5 else "fused"
     if variant not in ("fused", "forward"):
         sys.exit(f"VARIANT: fused or forward, got {variant!r}")
+    gpu_path = sys.argv[6] if len(sys.argv) > 6 else "auto"
+    if gpu_path not in GPU_PATHS:
+        sys.exit(f"GPU_PATH: one of {', '.join(GPU_PATHS)}, got {gpu_path!r}")
     state_dtype = getattr(DType, dtype_name)
     shape = FoldShape(num_layers=1)
     device = Accelerator()
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
-                        {"column_tile": tile, "requests_per_block": requests or None})
+                        {"column_tile": tile, "requests_per_block": requests or None, "gpu_path": gpu_path})
     graphs.compile_all([variant], [state_dtype], chained=False)
     operands = make_step_operands(device, shape, batch, state_dtype)
     model = graphs.model(variant, state_dtype, 1)

@@ -24,6 +24,10 @@ one fma chain per column in the thread and three butterfly steps across the colu
 eight lanes, in the fixed order of recurrence_math.mojo. So both kernels produce the
 same bits, and the op picks between them at run time (window_launch.mojo).
 
+With `WALK_SLABS` > 1 the same warp walks that many slabs of its value head in turn
+(the walking kernel, kernels.md): the staging, the norms and the ring's keys are done
+once for all of them.
+
 With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
 value head and a record holds them (record_layout.channel_decay_offset); they are
 staged like the keys and read by the same lanes, so that state row i decays by the
@@ -191,7 +195,8 @@ def windows_gpu_latency_kernel[
     as small as it gets; with a whole head's slabs (the walking kernel, window_launch's
     GPU_PATH_WALK) the ids, the staged tokens and records, the norms and the ring's keys
     are a unit's once for all its passes, while each pass's state still lives in
-    registers and the next pass's rows are asked of L2 as the current one computes."""
+    registers and the next pass's rows are copied into the warp's shared memory as the
+    current one computes."""
     comptime SLAB = latency_slab_columns[CV]()
     comptime UNIT_COLUMNS = WALK_SLABS * SLAB
     comptime UNITS_PER_HEAD = V // UNIT_COLUMNS

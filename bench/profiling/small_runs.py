@@ -62,6 +62,12 @@ def run_channel() -> None:
     run_windows("per-channel gates", WindowRunner("gpu"), "channel")
 
 
+def run_walk() -> None:
+    runner = WindowRunner("gpu", gpu_path="walk")
+    run_windows("walking kernel", runner)
+    run_windows("walking kernel, per-channel gates", runner, "channel")
+
+
 GROUPS = {
     "fold": lambda: run_folds("head"),
     "latency": lambda: run_windows("latency kernel", WindowRunner("gpu", gpu_path="latency")),
@@ -69,8 +75,7 @@ GROUPS = {
     "claimed": lambda: run_windows("claimed units", WindowRunner("gpu", column_tile=8, requests_per_block=3,
                                                                  gpu_path="throughput")),
     "channel": run_channel,
-    "walk": lambda: (run_windows("walking kernel", WindowRunner("gpu", gpu_path="walk")),
-                     run_windows("walking kernel, per-channel gates", WindowRunner("gpu", gpu_path="walk"), "channel")),
+    "walk": run_walk,
 }
 
 

@@ -319,35 +319,22 @@ def run_windows[
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        comptime if GPU_PATH == GPU_PATH_WALK:
-            comptime WALK_SLABS = V // latency_slab_columns[LATENCY_CV]()
-            comptime walk_kernel = windows_gpu_latency_kernel[
+        if GPU_PATH == GPU_PATH_WALK or CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
+            # One warp a unit: a request on one slab of a value head (the latency kernel),
+            # or on every slab of it in turn (the walking kernel).
+            comptime WALK_SLABS = V // latency_slab_columns[LATENCY_CV]() if GPU_PATH == GPU_PATH_WALK else 1
+            comptime warp_kernel = windows_gpu_latency_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL,
                 WALK_SLABS,
             ]
-            var walk_units = batch * num_value_heads
-            var walk_dependent = walk_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
-            ctx.enqueue_function[walk_kernel](
-                readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
-                previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
-                Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
-                Int32(num_key_heads), Int32(record_stride), Int32(1 if walk_dependent else 0),
-                grid_dim=walk_units,
-                block_dim=WARP_THREADS,
-                attributes=dependent_launch(walk_dependent),
-            )
-            return
-        if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
-            comptime latency_kernel = windows_gpu_latency_kernel[
-                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
-            ]
-            var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
-            ctx.enqueue_function[latency_kernel](
+            var warp_units = latency_units // WALK_SLABS
+            var dependent = warp_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
+            ctx.enqueue_function[warp_kernel](
                 readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
                 previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
                 Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
                 Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
-                grid_dim=latency_units,
+                grid_dim=warp_units,
                 block_dim=WARP_THREADS,
                 attributes=dependent_launch(dependent),
             )

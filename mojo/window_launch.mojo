@@ -45,7 +45,7 @@ comptime WINDOW_GPU_CAPABILITY_MAJOR = 9
 
 
 # Which GPU kernel runs a launch: GPU_PATH_AUTO picks at run time from the units of work
-# the launch has; the other two force one kernel (tests, benchmarks).
+# the launch has; the others force one kernel (tests, benchmarks).
 comptime GPU_PATH_AUTO = 0
 comptime GPU_PATH_LATENCY = 1
 comptime GPU_PATH_THROUGHPUT = 2

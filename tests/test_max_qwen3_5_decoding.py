@@ -39,6 +39,7 @@ from max.driver import Accelerator, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession, Model  # noqa: E402
 from max.graph import BufferType, BufferValue, DeviceRef, Dim, Graph, TensorType, TensorValue, ops  # noqa: E402
+from max.graph import Module as GraphModule  # noqa: E402
 from max.nn import LayerList, Module  # noqa: E402
 from max.nn.state_space import verify_width_operand  # noqa: E402
 from max.pipelines.architectures.qwen3_5.layers.gated_deltanet import GatedDeltaNet  # noqa: E402
@@ -52,7 +53,7 @@ from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 from gdfold_max.layout import RecordLayout  # noqa: E402
 
 #: One xdist worker runs this file's GPU tests under ``--dist loadgroup``: they share six
-#: compiled graphs, compiled one after another, which several workers would each repeat.
+#: graphs, compiled together, which several workers would each compile again.
 pytestmark = pytest.mark.xdist_group("max_qwen3_5_decoding")
 
 HIDDEN, NK, NV, HEAD, CONV, LAYERS, VOCAB = 256, 2, 4, 128, 4, 2, 64
@@ -117,15 +118,17 @@ def pool_types(where: DeviceRef) -> list[BufferType]:
             BufferType(DType.float32, [2 * LAYERS * BATCH, NK, RING_LEN, STRIDE], where)]
 
 
-def plain_graph(variant: str) -> tuple[Graph, TinyModel]:
-    """Any number of tokens per request at verify width 0: the window lands on the pools."""
+def plain_graph(variant: str, module: GraphModule | None = None) -> tuple[Graph, TinyModel]:
+    """Any number of tokens per request at verify width 0: the window lands on the pools.
+    Built into ``module`` when one is given (``Graph(module=...)``)."""
     where, u32 = DeviceRef.GPU(), DType.uint32
     model = TinyModel(False)
     model.load_state_dict(weights())
     inputs = [TensorType(DType.int64, ["T"], where), *pool_types(where), TensorType(u32, [LAYERS, BATCH], where),
               TensorType(u32, [LAYERS, BATCH], where), TensorType(u32, [BATCH + 1], where)]
     routes = ROUTES[variant]
-    with Graph(f"tiny_plain_{variant}", input_types=inputs, custom_extensions=[kernels_path()]) as graph, \
+    with Graph(f"tiny_plain_{variant}", input_types=inputs, custom_extensions=[kernels_path()],
+               module=module) as graph, \
             (max_qwen3_5.patched(**routes) if routes is not None else nullcontext()):
         tokens, conv, pool, ring, rows, ring_rows, offsets = graph.inputs
         graph.output(model(tokens.tensor, conv.buffer, pool.buffer, ring.buffer, rows.tensor, ring_rows.tensor,
@@ -133,11 +136,11 @@ def plain_graph(variant: str) -> tuple[Graph, TinyModel]:
     return graph, model
 
 
-def speculative_graph(variant: str) -> tuple[Graph, TinyModel]:
+def speculative_graph(variant: str, module: GraphModule | None = None) -> tuple[Graph, TinyModel]:
     """One verify of every request's window, the greedy acceptance, and MAX's rollback:
     the conv windows replayed, the accepted records folded (the fused layer folds them
     on the next verify's load instead). Outputs the greedy tokens and the records each
-    request keeps (1 + accepted drafts)."""
+    request keeps (1 + accepted drafts). Built into ``module`` when one is given."""
     where, u32, i64 = DeviceRef.GPU(), DType.uint32, DType.int64
     fused = variant == "fused"
     model = TinyModel(fused)
@@ -146,7 +149,8 @@ def speculative_graph(variant: str) -> tuple[Graph, TinyModel]:
               *(TensorType(u32, [LAYERS, BATCH], where) for _ in range(3)),
               TensorType(u32, [BATCH + 1], where), TensorType(u32, [BATCH], where)]
     routes = ROUTES[variant]
-    with Graph(f"tiny_speculative_{variant}", input_types=inputs, custom_extensions=[kernels_path()]) as graph, \
+    with Graph(f"tiny_speculative_{variant}", input_types=inputs, custom_extensions=[kernels_path()],
+               module=module) as graph, \
             (max_qwen3_5.patched(**routes) if routes is not None else nullcontext()):
         tokens, conv, pool, ring, rows, ring_rows, previous_ring_rows, offsets, previous_kept = graph.inputs
         width = verify_width_operand(DRAFTS)
@@ -178,15 +182,21 @@ GRAPHS = [("plain", v) for v in sorted(set(PLAIN_OF.values()))] + [("speculative
 
 @cache
 def compiled_graphs() -> dict[tuple[str, str], Model]:
-    """Every graph, built and compiled one after another: ``patched`` swaps module names
-    while a graph is built, and compiling a graph that holds weights needs MAX's MLIR
-    context, which a worker thread does not have."""
+    """Every graph, built one after another into one module (``patched`` swaps module
+    names while a graph is built) and compiled in one call: the six graphs share their
+    kernels, which one compile builds once. Compiled one by one, each took 72 to 119 s on
+    the H200's host (bench/results/decoding-tests-h200-2026-12-04-cut-short.txt). Every
+    model loads the same weights under the same names, so one registry serves them all."""
     session = InferenceSession(devices=[Accelerator()])
-    models = {}
+    module = GraphModule()
+    names: dict[tuple[str, str], str] = {}
+    registry: dict = {}
     for key in GRAPHS:
-        graph, model = (plain_graph if key[0] == "plain" else speculative_graph)(key[1])
-        models[key] = session.load(graph, weights_registry=model.state_dict())
-    return models
+        graph, model = (plain_graph if key[0] == "plain" else speculative_graph)(key[1], module)
+        names[key] = graph.name
+        registry.update(model.state_dict())
+    models = session.load_all(module, custom_extensions=[kernels_path()], weights_registry=registry)
+    return {key: models[name] for key, name in names.items()}
 
 
 def compiled(kind: str, variant: str) -> Model:

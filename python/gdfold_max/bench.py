@@ -16,6 +16,7 @@ from max.driver import CPU, Accelerator, Buffer, Device, accelerator_count
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import Module as GraphModule
 from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, best_seconds, render_rows, sweep, times
@@ -50,7 +51,7 @@ class FoldGraphs(ChainedGraphs):
         super().__init__(session, device, shape, chain)
         self.tiling = tiling or {}
 
-    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
+    def build(self, variant: str, state_dtype: DType, links: int, module: GraphModule | None = None) -> Graph:
         s = self.shape
         where = DeviceRef.from_device(self.device)
         inputs = [
@@ -63,7 +64,7 @@ class FoldGraphs(ChainedGraphs):
         tag = "_".join(f"{k}{v}" for k, v in sorted(self.tiling.items()))
         extensions = [kernels_path()] if variant == "gdfold" else []
         with Graph(f"bench_{variant}{tag}_{state_dtype.name}_x{links}", input_types=inputs,
-                   custom_extensions=extensions) as graph:
+                   custom_extensions=extensions, module=module) as graph:
             state, ring, row_ids, ring_row_ids, accepted = graph.inputs
             for _ in range(links):
                 if variant == "gdfold":

@@ -12,22 +12,23 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import Graph
+from max.graph import Module as GraphModule
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from .graph import kernels_path
 from .layout import Gate, RecordLayout, check_gate
 
 
@@ -93,44 +94,46 @@ def per_link_from(time_of: Callable[[int], float], chain: int) -> float:
     return max(many - one, 0.0) / (chain - 1)
 
 
-def load_in_parallel(session: InferenceSession, graphs: Sequence[Graph]) -> list[Model]:
-    """Compiles graphs several at a time, one per core (at least four): a compile keeps
-    about one core busy, and the step benchmark's sixteen graphs of 36 and 72 layers
-    took over seven minutes four at a time on a 16-core GPU host (and over nine, sixteen
-    at a time, beside two other compiling processes). Build them first, one after
-    another: building shares the kernel package cache."""
-    workers = max(4, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=min(workers, max(1, len(graphs)))) as pool:
-        return list(pool.map(session.load, graphs))
-
-
 def compile_together(jobs: Sequence[tuple[ChainedGraphs, str]], dtypes: Sequence[DType],
                      chained: bool = True) -> None:
-    """Compiles the graphs of every (graph set, variant) of ``jobs`` in one pool, so that
-    sets built on one session (the anchors, each GPU path, each copy of the kernels)
-    compile side by side rather than set after set."""
+    """Compiles the graphs of every (graph set, variant) of ``jobs`` in as few calls as
+    their kernel packages allow: the graphs of one package are built into one
+    ``max.graph.Module`` and compiled by one ``load_all``, so that kernels they share are
+    compiled once. MAX compiles one graph at a time within a process, so the threads this
+    replaced gained little; one module compiled ``bench-step --device cpu``'s three graphs
+    in 60 s where the threads took 145 (2 CPU cores, fresh compile caches,
+    bench/results/compile-module-cpu-2core-2026-12-04.txt). Sets of other packages
+    (copies of the kernels timed side by side) compile in a module each, since their ops
+    share names."""
     keyed = [(graphs, (variant, dtype, links)) for graphs, variant in jobs for dtype in dtypes
              for links in ((1, graphs.chain) if chained else (1,))]
     sessions = {id(graphs.session) for graphs, _ in keyed}
     if len(sessions) > 1:
         raise ValueError(f"compile_together: the graph sets must share one session, got {len(sessions)}")
-    if not keyed:
-        return
-    models = load_in_parallel(keyed[0][0].session, [graphs.build(*key) for graphs, key in keyed])
-    for (graphs, key), model in zip(keyed, models, strict=True):
-        graphs._models[key] = model
+    by_package: dict[Path, list[tuple[ChainedGraphs, tuple[str, DType, int]]]] = {}
+    for graphs, key in keyed:
+        by_package.setdefault(graphs.kernel_package, []).append((graphs, key))
+    for package, members in by_package.items():
+        module = GraphModule()
+        names = [graphs.build(*key, module=module).name for graphs, key in members]
+        models = members[0][0].session.load_all(module, custom_extensions=[package])
+        for (graphs, key), name in zip(members, names, strict=True):
+            graphs._models[key] = models[name]
 
 
 class ChainedGraphs:
     """Compiled graphs of 1 and ``chain`` chained links of each (variant, state dtype) on
-    one device. Subclasses say how a graph of n links is built."""
+    one device. Subclasses say how a graph of n links is built, and into which module."""
 
     def __init__(self, session: InferenceSession, device: Device, shape: FoldShape, chain: int) -> None:
         self.session, self.device, self.shape, self.chain = session, device, shape, chain
+        #: The Mojo package of our ops in these graphs (MAX's own variants use none).
+        self.kernel_package: Path = kernels_path()
         self._models: dict[tuple[str, DType, int], Model] = {}
         self._capture_keys = itertools.count(1)
 
-    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
+    def build(self, variant: str, state_dtype: DType, links: int, module: GraphModule | None = None) -> Graph:
+        """The graph of ``links`` links, built into ``module`` when one is given."""
         raise NotImplementedError
 
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:

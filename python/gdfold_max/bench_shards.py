@@ -30,6 +30,7 @@ from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
+from max.graph import Module as GraphModule
 from max.nn.comm import Signals
 from rich.console import Console
 
@@ -97,7 +98,7 @@ class ShardedSteps(ChainedGraphs):
     def compile_all(self, variants: Sequence[str], dtypes: Sequence[DType], chained: bool = True) -> None:
         super().compile_all(list(dict.fromkeys(map(self.serving, variants))), dtypes, chained)
 
-    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
+    def build(self, variant: str, state_dtype: DType, links: int, module: GraphModule | None = None) -> Graph:
         s = self.shape
         where = self.placement(variant)
         # Every shard's step operands on its device (the first shard's counts are the
@@ -107,7 +108,7 @@ class ShardedSteps(ChainedGraphs):
         if variant == "shards" and self.signals is not None:
             inputs += self.signals.input_types()
         with Graph(f"shards_{variant}_{len(where)}_{state_dtype.name}_x{links}", input_types=inputs,
-                   custom_extensions=[kernels_path()]) as graph:
+                   custom_extensions=[kernels_path()], module=module) as graph:
             values = list(graph.inputs)
             shards = [values[i * per: (i + 1) * per] for i in range(len(where))]
             signal_buffers = [v.buffer for v in values[len(where) * per:]]

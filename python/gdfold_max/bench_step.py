@@ -41,6 +41,7 @@ from max.driver import Accelerator, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue
+from max.graph import Module as GraphModule
 from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
@@ -97,16 +98,16 @@ class StepGraphs(ChainedGraphs):
                  tiling: WindowTiling | None = None, kernels: Path | None = None) -> None:
         super().__init__(session, device, shape, chain)
         self.tiling: WindowTiling = tiling or {}
-        self.kernels = kernels or kernels_path()
+        self.kernels = self.kernel_package = kernels or kernels_path()
         # Graph names stay distinct across packages, and tilings, in one session.
         self._tag = "" if kernels is None and not self.tiling else "_" + hashlib.sha1(
             f"{kernels}|{sorted(self.tiling.items())}".encode()).hexdigest()[:8]
 
-    def build(self, variant: str, state_dtype: DType, links: int) -> Graph:
+    def build(self, variant: str, state_dtype: DType, links: int, module: GraphModule | None = None) -> Graph:
         inputs = step_input_types(self.shape, state_dtype, DeviceRef.from_device(self.device))
         extensions = [] if variant in ("max", "kda") else [self.kernels]
         with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{links}", input_types=inputs,
-                   custom_extensions=extensions) as graph:
+                   custom_extensions=extensions, module=module) as graph:
             pool, ring = graph.inputs[0].buffer, graph.inputs[1].buffer
             qkv, decay, beta, rows, ring_rows, previous_rows, accepted, offsets = (x.tensor for x in graph.inputs[2:])
             readout: TensorValue | None = None

@@ -98,14 +98,14 @@ class StepGraphs(ChainedGraphs):
                  tiling: WindowTiling | None = None, kernels: Path | None = None) -> None:
         super().__init__(session, device, shape, chain)
         self.tiling: WindowTiling = tiling or {}
-        self.kernels = self.kernel_package = kernels or kernels_path()
+        self.kernel_package = kernels or kernels_path()
         # Graph names stay distinct across packages, and tilings, in one session.
         self._tag = "" if kernels is None and not self.tiling else "_" + hashlib.sha1(
             f"{kernels}|{sorted(self.tiling.items())}".encode()).hexdigest()[:8]
 
     def build(self, variant: str, state_dtype: DType, links: int, module: GraphModule | None = None) -> Graph:
         inputs = step_input_types(self.shape, state_dtype, DeviceRef.from_device(self.device))
-        extensions = [] if variant in ("max", "kda") else [self.kernels]
+        extensions = [] if variant in ("max", "kda") else [self.kernel_package]
         with Graph(f"step_{variant}{self._tag}_{state_dtype.name}_x{links}", input_types=inputs,
                    custom_extensions=extensions, module=module) as graph:
             pool, ring = graph.inputs[0].buffer, graph.inputs[1].buffer

@@ -172,11 +172,15 @@ def fold_gpu_kernel[
             KEY_DIM_TILE, accepted, tid,
         )
     else:
-        if tid < accepted:
-            decays[unsafe_offset=tid] = ring[unsafe_offset=
-                record_base + tid * record_stride
-                + decay_offset[K, V](group_size, group_slot)
-            ]
+        # A block of a small head can hold fewer threads than records (K = V = 8 in bf16
+        # has one), so the threads stride over the records, unrolled like the vectors.
+        comptime for s in range(ceildiv(RING_LEN, THREADS)):
+            var t = tid + s * THREADS
+            if t < accepted:
+                decays[unsafe_offset=t] = ring[unsafe_offset=
+                    record_base + t * record_stride
+                    + decay_offset[K, V](group_size, group_slot)
+                ]
     barrier()
 
     # 3. Apply the records in order, in registers: decay (rounded), then one fma.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from max.dtype import DType
-from max.graph import Dim, StaticDim, TensorValue
+from max.graph import Dim, StaticDim, TensorValue, ops
 
 from .layout import Gate, RecordLayout
 
@@ -101,10 +101,32 @@ def ring_parameters(
     return {"K": key_dim, "V": value_dim, "RING_LEN": ring_len}
 
 
+#: What a table entry that uint32 cannot hold becomes in a graph: larger than any pool, ring,
+#: count or offset the ops accept, so the (layer, request) it names is refused on the CPU and
+#: skipped on the GPU instead of wrapping onto another row (2**32 + 1 would become row 1).
+OUT_OF_RANGE_ID = 2**32 - 1
+
+
 def row_table(name: str, value: TensorValue) -> TensorValue:
-    if value.type.dtype not in INTEGER_DTYPES:
-        raise ValueError(f"{name}: dtype {value.type.dtype} is not an integer dtype")
-    return value if value.type.dtype == DType.uint32 else value.cast(DType.uint32)
+    """An integer table as the uint32 table the kernels read, added to the graph.
+
+    uint8, uint16 and uint32 convert exactly. Every other integer dtype saturates: a
+    negative entry or one past ``2**32 - 1`` becomes ``OUT_OF_RANGE_ID``.
+
+    Raises:
+        ValueError: naming ``name`` where ``value`` is not of an integer dtype.
+    """
+    dtype = value.type.dtype
+    if dtype not in INTEGER_DTYPES:
+        raise ValueError(f"{name}: dtype {dtype} is not an integer dtype")
+    if dtype in (DType.uint8, DType.uint16, DType.uint32):
+        return value if dtype == DType.uint32 else value.cast(DType.uint32)
+    wide = value if dtype in (DType.int64, DType.uint64) else value.cast(DType.int64)
+    limit = ops.constant(OUT_OF_RANGE_ID, wide.dtype, device=value.device)
+    outside = ops.greater(wide, limit)
+    if wide.dtype == DType.int64:
+        outside = ops.logical_or(outside, ops.greater(ops.constant(0, DType.int64, device=value.device), wide))
+    return ops.where(outside, limit, wide).cast(DType.uint32)
 
 
 def shape_text(dims: Sequence[Dim | int]) -> str:

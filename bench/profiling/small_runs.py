@@ -4,10 +4,14 @@ the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN and
 one), on the three GPU window kernels (the latency, throughput and walking kernels, each
 forced), the throughput kernel with claimed units (more units than resident blocks
 at a narrow column tile), and per-channel gates (the fold, and the latency kernel's
-verify, fold on load and forward; the walking kernel's too). Small enough to run under compute-sanitizer
+verify, fold on load and forward; the walking kernel's too). Then what only a graph
+reaches (the eager API refuses bad ids on the host): ids past the pool or the ring in
+GPU graphs of every op and kernel (``skips``), and two requests on one row, which race by
+contract (``shared-row``: memcheck only). Small enough to run under compute-sanitizer
 (sanitize.sh), which runs the groups side by side:
 
-    python bench/profiling/small_runs.py [GROUP ...]    # fold latency throughput claimed channel walk
+    python bench/profiling/small_runs.py [GROUP ...]
+    # fold latency throughput claimed channel walk skips shared-row
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from max.driver import CPU
+from max.dtype import DType
 
-from gdfold_max import WindowRunner, fold, reference
-from gdfold_max.cases import random_fold_case, random_window_case
+from gdfold_max import WindowRunner, fold, folder_for, reference, runner_for
+from gdfold_max.cases import WindowCase, random_fold_case, random_window_case
+from gdfold_max.eager import validate_fold
+from gdfold_max.eager_base import copy_back, host_buffer
 from gdfold_max.layout import Gate
 
 
@@ -68,6 +76,117 @@ def run_walk() -> None:
     run_windows("walking kernel, per-channel gates", runner, "channel")
 
 
+def run_in_graph(runner: WindowRunner, kind: str, case: WindowCase, tables: dict[str, np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Readout, pool and ring after the graph of ``kind`` on fresh copies, with these
+    tables as they are: in a graph the host checks nothing, the kernels guard every id."""
+    parameters = {"K": case.state.shape[2], "V": case.state.shape[3], "RING_LEN": case.ring.shape[2],
+                  "CHANNEL": int(case.decay.ndim == 3)}
+    model = runner.model(kind, DType.float32 if case.state.dtype == np.float32 else DType.bfloat16, parameters)
+    state, ring = case.fresh()
+    pool, ring_buffer = (host_buffer(x).to(runner.device) for x in (state, ring))
+    operands = [pool] if kind == "forward" else [pool, ring_buffer]
+    uploaded = [host_buffer(np.ascontiguousarray(t)).to(runner.device) for t in tables.values()]
+    (out,) = model.execute(*(host_buffer(x).to(runner.device) for x in case.tokens()), *operands, *uploaded)
+    copy_back(pool, state)
+    copy_back(ring_buffer, ring)
+    return np.asarray(out.to(CPU()).to_numpy()), state, ring
+
+
+def check_skipped(what: str, got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], case: WindowCase,
+                  skipped: int) -> None:
+    """The request ``skipped`` reads NaN and leaves its pool and ring rows as they were;
+    every other request's readout, pool rows and ring rows are the reference's."""
+    readout, state, ring = got
+    offsets = case.input_row_offsets
+    mine = slice(int(offsets[skipped]), int(offsets[skipped + 1]))
+    print(f"{what}: skipped request reads NaN: {bool(np.isnan(readout[mine]).all())}", flush=True)
+    if not np.isnan(readout[mine]).all():
+        raise SystemExit(1)
+    others = np.r_[0 : mine.start, mine.stop : readout.shape[0]]
+    same_bits(readout[others], want[0][others], f"{what}: other requests' readout")
+    rows = [int(r) for b, r in enumerate(case.row_ids) if b != skipped]
+    same_bits(state[rows], want[1][rows], f"{what}: other requests' pool rows")
+    untouched = np.setdiff1d(np.arange(state.shape[0]), rows)
+    same_bits(state[untouched], case.state[untouched], f"{what}: every other pool row")
+    own_rings = [int(case.ring_row_ids[skipped]), int(case.previous_ring_row_ids[skipped])]
+    other_rings = np.setdiff1d(np.arange(ring.shape[0]), own_rings)
+    same_bits(ring[other_rings], want[2][other_rings], f"{what}: other requests' ring rows")
+
+
+def run_skips() -> None:
+    """Ids past the pool or the ring inside GPU graphs (the eager API refuses them on the
+    host, so only a graph reaches the kernels' guards): the fold, and on every window
+    kernel the verify, the verify with fold on load and the forward."""
+    case = random_fold_case(3, layers=3, batch=4, num_accepted=[1, 4, 2, 3])
+    row_ids, ring_row_ids = case.row_ids.copy(), case.ring_row_ids.copy()
+    row_ids[0, 2] = case.state_in.shape[0] + 5
+    ring_row_ids[1, 1] = case.ring.shape[0]
+    row_ids[2, 3] = 0xFFFFFFFF
+    folder = folder_for("gpu")
+    call = validate_fold(case.state_in, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, folder.device)
+    model = folder.model(call.state.dtype, call.parameters)
+    pool = host_buffer(case.state_in.copy()).to(folder.device)
+    model.execute(pool, host_buffer(case.ring).to(folder.device),
+                  *(host_buffer(t).to(folder.device) for t in (row_ids, ring_row_ids, case.num_accepted)))
+    want = case.state_in.copy()
+    for layer, bad in enumerate((2, 1, 3)):
+        counts = case.num_accepted.copy()
+        counts[bad] = 0
+        reference.fold(want, case.ring, case.row_ids[layer : layer + 1], case.ring_row_ids[layer : layer + 1],
+                       counts)
+    same_bits(pool.to(CPU()).to_numpy(), want, "fold in a graph, ids past the pool and the ring skipped")
+    for path in ("latency", "throughput", "walk"):
+        runner = runner_for("gpu", path)
+        window = random_window_case(6, windows=[4, 2, 3, 1])
+        rows, ring_rows = window.state.shape[0], window.ring.shape[0]
+        base = {"row_ids": window.row_ids, "ring_row_ids": window.ring_row_ids,
+                "input_row_offsets": window.input_row_offsets,
+                "previous_ring_row_ids": window.previous_ring_row_ids,
+                "previous_num_accepted": window.previous_num_accepted}
+        verify_tables = {k: base[k] for k in ("row_ids", "ring_row_ids", "input_row_offsets")}
+        bad_row = window.row_ids.copy()
+        bad_row[1] = rows + 2
+        bad_ring = window.ring_row_ids.copy()
+        bad_ring[1] = ring_rows
+        bad_previous = window.previous_ring_row_ids.copy()
+        bad_previous[1] = 0xFFFFFFFF
+        for previous in (False, True):
+            kind = "fold_on_load" if previous else "verify"
+            tables = base if previous else verify_tables
+            want = window.run_verify(reference.verify_ring, fold_on_load=previous)
+            bads = [("row_ids", bad_row), ("ring_row_ids", bad_ring)] + (
+                [("previous_ring_row_ids", bad_previous)] if previous else [])
+            for name, table in bads:
+                got = run_in_graph(runner, kind, window, tables | {name: table})
+                check_skipped(f"{kind} in a graph, {path} kernel, {name} out of range", got, want, window, 1)
+        want_pool = window.state.copy()
+        want_out = reference.recurrence_fwd(*window.tokens(), want_pool, window.row_ids, window.input_row_offsets,
+                                            num_key_heads=window.num_key_heads)
+        got = run_in_graph(runner, "forward", window, {"row_ids": bad_row,
+                                                       "input_row_offsets": window.input_row_offsets})
+        check_skipped(f"forward in a graph, {path} kernel, row_ids out of range", got,
+                      (want_out, want_pool, window.ring), window, 1)
+
+
+def run_shared_row() -> None:
+    """Two requests of one layer on one pool row (padding on a null block): they race by
+    contract, so only memcheck runs this; every other row must fold exactly."""
+    case = random_fold_case(4, layers=2, batch=4, num_accepted=[2, 3, 1, 4])
+    row_ids = case.row_ids.copy()
+    row_ids[0, 3] = row_ids[0, 2]
+    state = case.state_in.copy()
+    folder_for("gpu").fold(state, case.ring, row_ids, case.ring_row_ids, case.num_accepted)
+    shared = int(row_ids[0, 2])
+    others = np.setdiff1d(np.arange(state.shape[0]), [shared])
+    want = case.state_in.copy()
+    reference.fold(want, case.ring, row_ids[1:], case.ring_row_ids[1:], case.num_accepted)
+    counts = case.num_accepted.copy()
+    counts[[2, 3]] = 0
+    reference.fold(want, case.ring, row_ids[:1], case.ring_row_ids[:1], counts)
+    same_bits(state[others], want[others], "fold with two requests on one row: every other row")
+
+
 GROUPS = {
     "fold": lambda: run_folds("head"),
     "latency": lambda: run_windows("latency kernel", WindowRunner("gpu", gpu_path="latency")),
@@ -76,6 +195,8 @@ GROUPS = {
                                                                  gpu_path="throughput")),
     "channel": run_channel,
     "walk": run_walk,
+    "skips": run_skips,
+    "shared-row": run_shared_row,
 }
 
 

@@ -1,0 +1,91 @@
+"""The GPU test suite in named groups, each sized to finish within 10 minutes on one GPU
+(most of a group's time is MAX compiling graphs on the host's cores).
+
+    python tests/gpu_suite.py GROUP [GROUP ...] [--out DIR] [--workers N]
+    python tests/gpu_suite.py --list
+
+Each group runs ``pytest -m gpu -rA`` over its files, so every test is named with its
+outcome, and writes ``DIR/gpu-tests-GROUP.txt``: the command, the card, the date and the
+commit, then pytest's output, then the outcome line. A group that pytest did not finish
+(killed at a limit) has no outcome line: it is evidence of nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: group -> (test files, pytest-xdist distribution). Files whose tests share compiled
+#: graphs go to one worker (``loadfile``); the range matrix compiles per test (``load``).
+GROUPS: dict[str, tuple[list[str], str]] = {
+    "fold": (["test_fold_gpu.py", "test_fold_channel.py", "test_graph_tables.py", "test_max_parity.py",
+              "test_sharded.py", "test_bench_shards.py"], "loadfile"),
+    "window": (["test_window.py", "test_window_channel.py", "test_window_max_parity.py", "test_kda_decode_gpu.py"],
+               "loadfile"),
+    "range": (["test_supported_range.py"], "load"),
+    "max-layers": (["test_max_qwen3_5.py", "test_max_qwen3_5_devices.py", "test_max_qwen3_5_pipeline.py"],
+                   "loadfile"),
+    "max-decoding": (["test_max_qwen3_5_decoding.py"], "loadfile"),
+}
+
+
+def card() -> str:
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "no GPU seen by nvidia-smi"
+
+
+def commit() -> str:
+    run = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
+    return (run.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
+def command(group: str, workers: int) -> list[str]:
+    files, dist = GROUPS[group]
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--pyargs", "-n", str(workers), "--dist", dist, *(f"tests/{name}" for name in files)]
+
+
+def run_group(group: str, out: Path, workers: int) -> int:
+    argv = command(group, workers)
+    log = out / f"gpu-tests-{group}.txt"
+    started = time.monotonic()
+    with log.open("w") as stream:
+        stream.write(f"# {' '.join(argv[1:])}\n# {card()}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC;"
+                     f" commit {commit()}\n\n")
+        stream.flush()
+        code = subprocess.run(argv, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        stream.write(f"\n# Outcome: pytest exited {code} after {time.monotonic() - started:.0f} s\n")
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("groups", nargs="*", metavar="GROUP", help=f"one of: {', '.join(GROUPS)}")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--list", action="store_true", help="print each group's files and exit")
+    args = parser.parse_args()
+    if args.list or not args.groups:
+        for name, (files, dist) in GROUPS.items():
+            print(f"{name} ({dist}): {' '.join(files)}")
+        return 0
+    unknown = [group for group in args.groups if group not in GROUPS]
+    if unknown:
+        parser.error(f"GROUP: {', '.join(unknown)} is not one of {', '.join(GROUPS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    return max(run_group(group, args.out, args.workers) for group in args.groups)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""The supported range, swept: every op (fold, verify, verify with fold on load, forward)
+bit for bit against the numpy reference, on the CPU and on every GPU kernel path, over a
+covering set of static shapes (``RANGE``): K and V from 8 to 256 (equal and unequal, odd
+multiples of 8 among them), RING_LEN 1, 2, middle values and 16, G = 1, 2 and 3, fp32 and
+bf16 pools, head and per-channel gates.
+
+Every point runs full windows and accepted counts of 0, 1, RING_LEN and RING_LEN + 1, and
+a fold with every record of every request accepted: the count that once outnumbered the
+threads of a small fold block (K = V = 8 to 40 at long rings).
+
+A graph's compile costs more than the kernels in it, so each test puts one op of every
+point into one graph (``run_many``) and names every point that differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from max.driver import CPU, Accelerator, Device
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
+
+from conftest import bits
+from gdfold_max import kernels_path, recurrence, reference, state_fold, verify_ring
+from gdfold_max.cases import FoldCase, WindowCase, random_fold_case, random_window_case, spec_decode_case
+from gdfold_max.eager_base import copy_back, host_buffer
+from gdfold_max.layout import Gate
+
+
+@dataclass(frozen=True)
+class Point:
+    """One static shape of the range, with the G it runs at."""
+
+    key_dim: int
+    value_dim: int
+    ring_len: int
+    group_size: int
+    state_dtype: str
+    gate: Gate
+
+    def __str__(self) -> str:
+        dtype = "fp32" if self.state_dtype == "float32" else "bf16"
+        return f"{dtype}-{self.gate}-K{self.key_dim}-V{self.value_dim}-R{self.ring_len}-G{self.group_size}"
+
+    def shape(self) -> dict[str, Any]:
+        num_key_heads = 2 if self.group_size < 3 else 1
+        return {"key_dim": self.key_dim, "value_dim": self.value_dim, "ring_len": self.ring_len,
+                "num_key_heads": num_key_heads, "num_value_heads": num_key_heads * self.group_size,
+                "state_dtype": self.state_dtype, "gate": self.gate}
+
+
+def points(key_dim: int, value_dim: int, ring_len: int, groups: tuple[int, int, int], channel_dtype: str
+           ) -> list[Point]:
+    """A shape in fp32 and bf16 with head gates, and with per-channel gates, each at its own G."""
+    return [Point(key_dim, value_dim, ring_len, groups[0], "float32", "head"),
+            Point(key_dim, value_dim, ring_len, groups[1], "bfloat16", "head"),
+            Point(key_dim, value_dim, ring_len, groups[2], channel_dtype, "channel")]
+
+
+#: The covering set. The first four shapes are those the GPU fold once got wrong.
+RANGE: list[Point] = [
+    *points(8, 8, 16, (3, 1, 2), "bfloat16"),
+    *points(16, 16, 16, (1, 2, 3), "float32"),
+    *points(24, 24, 8, (2, 3, 1), "bfloat16"),
+    *points(40, 40, 12, (1, 3, 2), "float32"),
+    *points(8, 8, 1, (3, 2, 1), "float32"),
+    *points(8, 256, 2, (2, 1, 3), "bfloat16"),
+    *points(256, 8, 16, (3, 2, 1), "float32"),
+    *points(72, 136, 5, (1, 2, 3), "bfloat16"),
+    *points(256, 128, 16, (3, 1, 2), "float32"),
+    *points(256, 256, 4, (2, 3, 1), "bfloat16"),
+]
+
+CPU_TARGET = pytest.param(("cpu", "auto"), id="cpu")
+GPU_TARGETS = [pytest.param(("gpu", path), id=f"gpu-{path}", marks=pytest.mark.gpu)
+               for path in ("latency", "throughput", "walk")]
+DEVICES = [CPU_TARGET, pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu)]
+
+
+def on_path(point: Point, device: str, path: str) -> bool:
+    """Per-channel gates run on the GPU's latency kernel only (the throughput kernel refuses
+    them, the walk runs the latency kernel)."""
+    return device == "cpu" or point.gate == "head" or path == "latency"
+
+
+@cache
+def session(device: str) -> tuple[InferenceSession, Device]:
+    where = CPU() if device == "cpu" else Accelerator()
+    return InferenceSession(devices=[where]), where
+
+
+@dataclass
+class Call:
+    """One op of a many-op graph: its numpy operands, which of them are buffers (those it
+    may write in place: the pool, and the ring, a buffer even where only read), and how it
+    is added to the graph (returning its readout, if any)."""
+
+    operands: list[np.ndarray]
+    written: tuple[int, ...]
+    add: Callable[[list[Any]], TensorValue | None]
+    has_readout: bool
+
+
+def max_dtype(array: np.ndarray) -> DType:
+    return DType.bfloat16 if array.dtype == np.dtype(ml_dtypes.bfloat16) else DType.from_numpy(array.dtype)
+
+
+def run_many(device: str, name: str, calls: list[Call]) -> list[tuple[np.ndarray | None, list[np.ndarray]]]:
+    """Compiles one graph holding every call's op and runs it once on fresh copies of the
+    written operands; returns each call's readout (or None) and written operands."""
+    inference, where = session(device)
+    ref = DeviceRef.from_device(where)
+    types: list[BufferType | TensorType] = []
+    for call in calls:
+        types += [(BufferType if i in call.written else TensorType)(max_dtype(a), a.shape, ref)
+                  for i, a in enumerate(call.operands)]
+    with Graph(name, input_types=types, custom_extensions=[kernels_path()]) as graph:
+        readouts, at = [], 0
+        for call in calls:
+            values = [graph.inputs[at + i].buffer if i in call.written else graph.inputs[at + i].tensor
+                      for i in range(len(call.operands))]
+            at += len(call.operands)
+            out = call.add(values)
+            if out is not None:
+                readouts.append(out)
+        graph.output(*readouts)
+    model = inference.load(graph)
+    copies = [[a.copy() if i in call.written else a for i, a in enumerate(call.operands)] for call in calls]
+    uploaded = [[host_buffer(np.ascontiguousarray(a)).to(where) for a in arrays] for arrays in copies]
+    outputs = iter(model.execute(*(b for buffers in uploaded for b in buffers)))
+    results: list[tuple[np.ndarray | None, list[np.ndarray]]] = []
+    for call, arrays, buffers in zip(calls, copies, uploaded, strict=True):
+        for i in call.written:
+            copy_back(buffers[i], arrays[i])
+        readout = next(outputs).to(CPU()).to_numpy() if call.has_readout else None
+        results.append((readout, [arrays[i] for i in call.written]))
+    return results
+
+
+def differences(what: str, got: np.ndarray, want: np.ndarray) -> list[str]:
+    count = int(np.count_nonzero(bits(got) != bits(want)))
+    return [f"{what}: {count} of {got.size} elements differ in their bits"] if count else []
+
+
+@cache
+def fold_cases(point: Point) -> list[FoldCase]:
+    """A real verify of full windows kept whole, in part and not at all; random records with
+    every one accepted; random counts of 0, 1, RING_LEN - 1, RING_LEN and RING_LEN + 1."""
+    r = point.ring_len
+    return [spec_decode_case(21, layers=3, batch=4, verify_width=r - 1, num_accepted=[r, 0, 1, r], **point.shape()),
+            *(random_fold_case(24, layers=3, batch=len(counts), num_accepted=counts, **point.shape())
+              for counts in ([r] * 5, [0, 1, r, r + 1, max(r - 1, 1)]))]
+
+
+@cache
+def window_case(point: Point, seed: int) -> WindowCase:
+    """Full windows, empty and single ones, one past the ring (it commits) and a long one;
+    previous counts of RING_LEN, 1, 0 and RING_LEN + 1 (nothing to fold)."""
+    r = point.ring_len
+    return random_window_case(seed, windows=[r, 0, 1, r + 1, r, 2 * r + 3],
+                              previous_num_accepted=[r, 1, 0, r + 1, r], **point.shape())
+
+
+def fold_call(case: FoldCase, gate: Gate) -> Call:
+    def add(v: list[Any]) -> None:
+        state_fold(*v, gate=gate)
+    return Call([case.state_in, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted], (0, 1), add, False)
+
+
+def window_call(case: WindowCase, kind: str, path: str) -> Call:
+    tables = ([case.row_ids, case.input_row_offsets] if kind == "forward" else
+              [case.row_ids, case.ring_row_ids, case.input_row_offsets])
+    if kind == "fold_on_load":
+        tables += [case.previous_ring_row_ids, case.previous_num_accepted]
+    written = (3,) if kind == "forward" else (3, 4)
+    operands = [*case.tokens(), case.state] + ([] if kind == "forward" else [case.ring]) + tables
+
+    def add(v: list[Any]) -> TensorValue:
+        if kind == "forward":
+            return recurrence(*v, gpu_path=path)
+        previous = {"previous_ring_row_ids": v[8], "previous_num_accepted": v[9]} if kind == "fold_on_load" else {}
+        return verify_ring(*v[:8], **previous, gpu_path=path)
+    return Call(operands, written, add, True)
+
+
+@pytest.mark.parametrize("target", DEVICES)
+def test_fold(target: tuple[str, str]) -> None:
+    device, _ = target
+    calls, names = [], []
+    for point in RANGE:
+        for i, case in enumerate(fold_cases(point)):
+            calls.append(fold_call(case, point.gate))
+            names.append((point, i, case))
+    failures = []
+    for (point, i, case), (_, (pool, _)) in zip(names, run_many(device, f"range_fold_{device}", calls), strict=True):
+        failures += differences(f"{point}, fold {i} (counts {case.num_accepted.tolist()})", pool, case.state_out)
+    assert failures == []
+
+
+def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:
+    """The reference's readout, pool (and ring) for the point's window case."""
+    if kind == "forward":
+        case = window_case(point, 23)
+        pool = case.state.copy()
+        out = reference.recurrence_fwd(*case.tokens(), pool, case.row_ids, case.input_row_offsets,
+                                       num_key_heads=case.num_key_heads)
+        return out, pool
+    return window_case(point, 22).run_verify(reference.verify_ring, fold_on_load=kind == "fold_on_load")
+
+
+@pytest.mark.parametrize("kind", ["verify", "fold_on_load", "forward"])
+@pytest.mark.parametrize("target", [CPU_TARGET, *GPU_TARGETS])
+def test_window_op(target: tuple[str, str], kind: str) -> None:
+    device, path = target
+    covered = [p for p in RANGE if on_path(p, device, path)]
+    calls = [window_call(window_case(p, 23 if kind == "forward" else 22), kind, path) for p in covered]
+    failures = []
+    for point, (readout, written) in zip(covered, run_many(device, f"range_{kind}_{device}_{path}", calls),
+                                         strict=True):
+        want = window_wants(point, kind)
+        assert readout is not None
+        parts = ("readout", "pool", "ring")[: len(want)]
+        for part, got, expected in zip(parts, (readout, *written), want, strict=True):
+            failures += differences(f"{point}, {kind}: {part}", got, expected)
+    assert failures == []

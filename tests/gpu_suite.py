@@ -53,7 +53,7 @@ def commit() -> str:
 def command(group: str, workers: int) -> list[str]:
     files, dist = GROUPS[group]
     return [sys.executable, "-m", "pytest", "-m", "gpu", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
-            "--pyargs", "-n", str(workers), "--dist", dist, *(f"tests/{name}" for name in files)]
+            "-n", str(workers), "--dist", dist, *(f"tests/{name}" for name in files)]
 
 
 def run_group(group: str, out: Path, workers: int) -> int:

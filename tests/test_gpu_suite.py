@@ -24,5 +24,6 @@ def test_every_file_with_gpu_tests_is_in_one_group() -> None:
 
 def test_a_group_names_every_test_and_selects_gpu_tests() -> None:
     argv = command("range", 4)
-    assert argv[argv.index("-m") + 1] == "gpu" and "-rA" in argv
+    options = argv[argv.index("pytest") + 1 :]
+    assert options[options.index("-m") + 1] == "gpu" and "-rA" in options
     assert argv[argv.index("--dist") + 1] == "load" and argv[-1] == "tests/test_supported_range.py"

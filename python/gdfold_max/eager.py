@@ -7,8 +7,6 @@ leaves the pool and the ring untouched.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +15,6 @@ from max.driver import Device
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
-from max.graph import Module as GraphModule
 
 from .eager_base import (
     ArrayOrBuffer,
@@ -98,23 +95,10 @@ class StateFolder(CompiledGraphs):
 
     def model(self, state_dtype: DType, parameters: dict[str, int], gate: Gate = "head") -> Model:
         """The compiled fold for these static dims, compiled on first use."""
-        return self.compiled(self._key(state_dtype, parameters, gate),
-                             lambda module: self._build(state_dtype, parameters, gate, module))
+        key = (state_dtype, gate, *sorted(parameters.items()))
+        return self.compiled(key, lambda: self._build(state_dtype, parameters, gate))
 
-    def compile_shapes(self, shapes: Sequence[tuple[DType, dict[str, int], Gate]]) -> None:
-        """Compiles the folds of these (state dtype, parameters, gate) as one MAX module,
-        before their first use (``parameters`` as :func:`gdfold_max.graph.fold_parameters`
-        returns them)."""
-        builds = {self._key(dtype, parameters, gate): functools.partial(self._build, dtype, parameters, gate)
-                  for dtype, parameters, gate in shapes}
-        self.compile_all(builds, kernels_path())
-
-    @staticmethod
-    def _key(state_dtype: DType, parameters: dict[str, int], gate: Gate) -> tuple[object, ...]:
-        return (state_dtype, gate, *sorted(parameters.items()))
-
-    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate,
-               module: GraphModule | None = None) -> Graph:
+    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
         inputs = [
@@ -125,7 +109,7 @@ class StateFolder(CompiledGraphs):
             TensorType(DType.uint32, ["batch"], where),
         ]
         name = f"gdfold_fold_{gate}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
-        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
+        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
             state, ring, row_ids, ring_row_ids, accepted = graph.inputs
             state_fold(
                 state.buffer,

@@ -10,9 +10,8 @@ untouched.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import ml_dtypes
@@ -21,7 +20,6 @@ from max.driver import CPU, Accelerator, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import Graph
-from max.graph import Module as GraphModule
 
 ArrayOrBuffer: TypeAlias = np.ndarray | Buffer
 Cached = TypeVar("Cached")
@@ -139,27 +137,12 @@ class CompiledGraphs:
         self._models: dict[tuple[object, ...], Model] = {}
         self._lock = threading.Lock()
 
-    def compiled(self, key: tuple[object, ...], build: Callable[[GraphModule | None], Graph]) -> Model:
-        """The model compiled from ``build(None)`` under ``key``, compiling it on first use."""
+    def compiled(self, key: tuple[object, ...], build: Callable[[], Graph]) -> Model:
+        """The model compiled from ``build()`` under ``key``, compiling it on first use."""
         with self._lock:
             if key not in self._models:
-                self._models[key] = self._session.load(build(None))
+                self._models[key] = self._session.load(build())
             return self._models[key]
-
-    def compile_all(self, builds: Mapping[tuple[object, ...], Callable[[GraphModule | None], Graph]],
-                    kernel_package: Path) -> None:
-        """Compiles every graph of ``builds`` not compiled yet, built into one
-        ``max.graph.Module`` and compiled by one ``load_all``: the kernels the graphs share
-        compile once, where a ``load`` each would compile them again."""
-        with self._lock:
-            todo = {key: build for key, build in builds.items() if key not in self._models}
-            if not todo:
-                return
-            module = GraphModule()
-            names = {key: build(module).name for key, build in todo.items()}
-            models = self._session.load_all(module, custom_extensions=[kernel_package])
-            for key, name in names.items():
-                self._models[key] = models[name]
 
     def execute(self, model: Model, operands: Sequence[Operand], tables: Sequence[np.ndarray],
                 written: Sequence[Operand]) -> list[Buffer]:

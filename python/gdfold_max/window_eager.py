@@ -7,7 +7,6 @@ raises ``ValueError`` (or ``TypeError``) and leaves the pool and the ring untouc
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,6 @@ from max.driver import CPU
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
-from max.graph import Module as GraphModule
 
 from .eager_base import (
     ArrayOrBuffer,
@@ -181,23 +179,11 @@ class WindowRunner(CompiledGraphs):
 
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled graph of ``kind`` (verify, fold_on_load or forward), built on first use."""
-        return self.compiled(self._key(kind, state_dtype, parameters),
-                             lambda module: self._build(kind, state_dtype, parameters, module))
+        key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
+               parameters.get("CHANNEL", 0))
+        return self.compiled(key, lambda: self._build(kind, state_dtype, parameters))
 
-    def compile_shapes(self, shapes: Sequence[tuple[str, DType, dict[str, int]]]) -> None:
-        """Compiles the graphs of these (kind, state dtype, parameters) as one MAX module,
-        before their first use. ``parameters``: K, V, RING_LEN and, for per-channel
-        gates, CHANNEL = 1."""
-        self.compile_all({self._key(kind, dtype, parameters): functools.partial(self._build, kind, dtype, parameters)
-                          for kind, dtype, parameters in shapes}, kernels_path())
-
-    @staticmethod
-    def _key(kind: str, state_dtype: DType, parameters: dict[str, int]) -> tuple[object, ...]:
-        return (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
-                parameters.get("CHANNEL", 0))
-
-    def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int],
-               module: GraphModule | None = None) -> Graph:
+    def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
         tiling: WindowTiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block,
@@ -216,7 +202,7 @@ class WindowRunner(CompiledGraphs):
         inputs += [TensorType(u32, ["batch_plus_one" if i == (1 if kind == "forward" else 2) else "batch"], where)
                    for i in range(tables)]
         name = f"gdfold_{kind}{'_channel' if channel else ''}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
-        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
+        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
             qkv, decay, beta = (x.tensor for x in graph.inputs[:3])
             state = graph.inputs[3].buffer
             if kind == "forward":

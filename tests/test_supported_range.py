@@ -201,7 +201,7 @@ def test_fold(target: tuple[str, str]) -> None:
     failures = []
     for (point, i, case), (_, (pool, _)) in zip(names, run_many(device, f"range_fold_{device}", calls), strict=True):
         failures += differences(f"{point}, fold {i} (counts {case.num_accepted.tolist()})", pool, case.state_out)
-    assert failures == []
+    assert not failures, "\n".join(failures)
 
 
 def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:
@@ -229,4 +229,4 @@ def test_window_op(target: tuple[str, str], kind: str) -> None:
         parts = ("readout", "pool", "ring")[: len(want)]
         for part, got, expected in zip(parts, (readout, *written), want, strict=True):
             failures += differences(f"{point}, {kind}: {part}", got, expected)
-    assert failures == []
+    assert not failures, "\n".join(failures)

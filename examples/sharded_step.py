@@ -30,7 +30,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 from max.nn.comm import Signals
 
 from gdfold_max import reference
-from gdfold_max.cases import random_window_case
+from gdfold_max.cases import random_window_case, shard_window_case
 from gdfold_max.eager_base import copy_back, host_buffer
 from gdfold_max.graph import kernels_path
 from gdfold_max.sharded import (
@@ -38,7 +38,6 @@ from gdfold_max.sharded import (
     shard_heads,
     shard_pool,
     shard_ring,
-    shard_window_case,
     verify_shards,
 )
 

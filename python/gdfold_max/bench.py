@@ -20,7 +20,8 @@ from max.graph import Module as GraphModule
 from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, best_seconds, render_rows, sweep, times
-from .graph import kernels_path, state_fold
+from .ops.fold import state_fold
+from .ops.kernels import kernels_path
 
 #: GPU tiling keywords of :func:`state_fold` (``key_dim_tile``, ``rows_per_thread``).
 Tiling: TypeAlias = dict[str, int] | None

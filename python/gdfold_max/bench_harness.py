@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .graph import kernels_path
 from .layout import Gate, RecordLayout, check_gate
+from .ops.kernels import kernels_path
 
 
 @dataclass(frozen=True)

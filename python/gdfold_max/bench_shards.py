@@ -36,9 +36,9 @@ from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, render_rows, sweep
 from .bench_step import ACCEPTED_AT, make_step_operands, step_input_types
-from .graph import kernels_path
+from .ops.kernels import kernels_path
+from .ops.window import verify_ring
 from .sharded import broadcast_counts
-from .window_graph import verify_ring
 
 #: ``shards``: every shard on its device; ``one``: the first shard alone on the first device.
 SHARD_VARIANTS = ("shards", "one")

@@ -45,8 +45,9 @@ from max.graph import Module as GraphModule
 from rich.console import Console
 
 from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
-from .graph import kernels_path, state_fold
-from .window_graph import WindowTiling, recurrence, verify_ring
+from .ops.fold import state_fold
+from .ops.kernels import kernels_path
+from .ops.window import WindowTiling, recurrence, verify_ring
 
 if TYPE_CHECKING:
     from .fla_anchor import FlaSteps

@@ -214,7 +214,7 @@ def bench_step(
 
     from .bench_harness import FoldShape, write_json
     from .bench_step import render_steps, run_step_bench
-    from .window_graph import GPU_PATHS, WindowTiling
+    from .ops.window import GPU_PATHS, WindowTiling
 
     dtype_list = _state_dtypes(dtypes)
     if device == Target.gpu and accelerator_count() == 0:

@@ -26,8 +26,9 @@ from .eager_base import (
     describe,
     host_table,
 )
-from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
 from .layout import Gate, check_gate
+from .ops.fold import check_table_shapes, fold_parameters, state_fold
+from .ops.kernels import kernels_path
 
 
 @dataclass(frozen=True)

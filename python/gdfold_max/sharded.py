@@ -32,8 +32,8 @@ import numpy as np
 from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, TensorValue, ops
 
-from .graph import state_fold
-from .window_graph import verify_ring
+from .ops.fold import state_fold
+from .ops.window import verify_ring
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from .eager_base import (
     describe,
     host_table,
 )
-from .graph import kernels_path
-from .graph_checks import pool_dims, ring_parameters
 from .layout import Gate
-from .window_graph import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
+from .ops.checks import pool_dims, ring_parameters
+from .ops.kernels import kernels_path
+from .ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 

@@ -25,7 +25,7 @@ from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # no
 from conftest import NEEDS_TWO_GPUS, assert_bits_equal  # noqa: E402
 from gdfold_max import kernels_path, reference  # noqa: E402
 from gdfold_max.cases import random_fold_case  # noqa: E402
-from gdfold_max.eager_base import copy_back  # noqa: E402
+from gdfold_max.eager.base import copy_back  # noqa: E402
 from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 from gdfold_max.sharded import shard_heads, shard_pool, shard_ring  # noqa: E402
 

@@ -19,7 +19,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from conftest import NEEDS_TWO_GPUS, assert_bits_equal
 from gdfold_max import reference, runner_for
 from gdfold_max.cases import WindowCase, random_fold_case, random_window_case, shard_window_case
-from gdfold_max.eager_base import host_buffer
+from gdfold_max.eager.base import host_buffer
 from gdfold_max.ops.kernels import kernels_path
 from gdfold_max.sharded import (
     fold_shards,

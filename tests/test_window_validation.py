@@ -11,7 +11,7 @@ import pytest
 
 from conftest import assert_bits_equal
 from gdfold_max.cases import WindowCase, random_window_case
-from gdfold_max.window_eager import runner_for
+from gdfold_max.eager.window import runner_for
 
 
 def _case() -> WindowCase:

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 from . import layout, reference
 
 if TYPE_CHECKING:
-    from .eager import StateFolder, fold, folder_for
+    from .eager.fold import StateFolder, fold, folder_for
+    from .eager.window import WindowRunner, runner_for
     from .ops.fold import state_fold
     from .ops.kernels import FOLD_OP_NAME, RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, kernels_path
     from .ops.window import recurrence, verify_ring
-    from .window_eager import WindowRunner, runner_for
 
 try:
     __version__ = version("gdfold_max")
@@ -34,9 +34,9 @@ except PackageNotFoundError:  # running from a source tree
 #: The names imported on first use, and the module that defines each (all of them need
 #: MAX but ``ops.kernels``, the kernel package's path and op names).
 _LAZY = {
-    "StateFolder": "eager",
-    "fold": "eager",
-    "folder_for": "eager",
+    "StateFolder": "eager.fold",
+    "fold": "eager.fold",
+    "folder_for": "eager.fold",
     "FOLD_OP_NAME": "ops.kernels",
     "RECURRENCE_OP_NAME": "ops.kernels",
     "VERIFY_FOLD_ON_LOAD_OP_NAME": "ops.kernels",
@@ -45,8 +45,8 @@ _LAZY = {
     "state_fold": "ops.fold",
     "recurrence": "ops.window",
     "verify_ring": "ops.window",
-    "WindowRunner": "window_eager",
-    "runner_for": "window_eager",
+    "WindowRunner": "eager.window",
+    "runner_for": "eager.window",
 }
 
 

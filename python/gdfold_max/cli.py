@@ -65,7 +65,7 @@ def demo(
     the fold must reproduce that pool bit for bit.
     """
     from . import cases
-    from .eager import folder_for
+    from .eager.fold import folder_for
 
     console.print(f"[bold]making the case[/]: 36 layers x batch {batch}, numpy reference verify ...")
     case = cases.spec_decode_case(seed, layers=36, batch=batch, num_value_heads=32, num_key_heads=16,
@@ -101,7 +101,7 @@ def check(
     Exits 0 only when every row matches.
     """
     from .cases import FoldCase
-    from .eager import folder_for
+    from .eager.fold import folder_for
 
     case = FoldCase.load(path)
     state, ring, row_ids, ring_row_ids, accepted = case.fold_operands()

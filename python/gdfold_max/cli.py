@@ -169,8 +169,8 @@ def bench(
     """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
     from max.driver import accelerator_count
 
-    from .bench import render, run_bench
-    from .bench_harness import FoldShape, write_json
+    from .bench.fold import render, run_bench
+    from .bench.harness import FoldShape, write_json
 
     batch_list = [int(b) for b in batches.split(",")]
     if accelerator_count() == 0 and batches == "1,8,64,256":
@@ -212,8 +212,8 @@ def bench_step(
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
 
-    from .bench_harness import FoldShape, write_json
-    from .bench_step import render_steps, run_step_bench
+    from .bench.harness import FoldShape, write_json
+    from .bench.step import render_steps, run_step_bench
     from .ops.window import GPU_PATHS, WindowTiling
 
     dtype_list = _state_dtypes(dtypes)
@@ -254,8 +254,8 @@ def bench_shards(
     """Time a decoding step on tensor-parallel shards (one per device) against one shard alone on one device."""
     from max.driver import CPU, Accelerator, Device, accelerator_count
 
-    from .bench_harness import FoldShape, write_json
-    from .bench_shards import render_shard_rows, run_shard_bench, shard_shape
+    from .bench.harness import FoldShape, write_json
+    from .bench.shards import render_shard_rows, run_shard_bench, shard_shape
 
     dtype_list = _state_dtypes(dtypes)
     batch_list = [int(b) for b in batches.split(",")]

@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 #: group -> (test files, pytest-xdist distribution). Files whose tests share compiled
 #: graphs go to one worker (``loadfile``); the range matrix compiles per test (``load``).
 GROUPS: dict[str, tuple[list[str], str]] = {
-    "fold": (["test_fold_gpu.py", "test_fold_channel.py", "test_graph_tables.py", "test_max_parity.py",
+    "fold": (["test_fold_gpu.py", "test_fold_channel.py", "test_fold_graph_tables.py", "test_fold_max_parity.py",
               "test_sharded.py", "test_bench_shards.py"], "loadfile"),
-    "window": (["test_window.py", "test_window_channel.py", "test_window_max_parity.py", "test_kda_decode_gpu.py"],
-               "loadfile"),
+    "window": (["test_window_cpu_gpu.py", "test_window_channel.py", "test_window_max_parity.py",
+                "test_window_channel_max_parity.py"], "loadfile"),
     "range": (["test_supported_range.py"], "load"),
-    "max-layers": (["test_max_qwen3_5.py", "test_max_qwen3_5_devices.py", "test_max_qwen3_5_pipeline.py"],
-                   "loadfile"),
-    "max-decoding": (["test_max_qwen3_5_decoding.py"], "loadfile"),
+    "max-layers": (["test_integration_max_qwen3_5.py", "test_integration_max_qwen3_5_devices.py",
+                    "test_integration_max_qwen3_5_pipeline.py"], "loadfile"),
+    "max-decoding": (["test_integration_max_qwen3_5_decoding.py"], "loadfile"),
 }
 
 

@@ -29,7 +29,7 @@ from gdfold_max.sharded import (
     shard_window_inputs,
 )
 
-# K = V = 64, RING_LEN 4 and fp32: the eager verify graphs are the ones test_window
+# K = V = 64, RING_LEN 4 and fp32: the eager verify graphs are the ones test_window_cpu_gpu
 # compiles (heads are symbolic), so these tests compile no graph of their own.
 K = V = 64
 

@@ -3,7 +3,7 @@ over devices, as MAX runs a tensor-parallel model: each device holds one shard's
 ring and row tables, and MAX broadcasts the accepted counts from the first device
 (``ops.distributed_broadcast``) before one fold per device. Each device's pool, bit for
 bit, against the reference fold on its own heads. GPU only (MAX's broadcast and its
-``Signals`` need accelerators; one device on the CPU is tests/test_max_qwen3_5.py's):
+``Signals`` need accelerators; one device on the CPU is tests/test_integration_max_qwen3_5.py's):
 the first GPU alone, the second alone, and two GPUs where there are two."""
 
 from __future__ import annotations

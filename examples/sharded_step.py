@@ -30,15 +30,14 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
 from max.nn.comm import Signals
 
 from gdfold_max import reference
-from gdfold_max.cases import random_window_case
-from gdfold_max.eager_base import copy_back, host_buffer
-from gdfold_max.graph import kernels_path
+from gdfold_max.cases import random_window_case, shard_window_case
+from gdfold_max.eager.base import copy_back, host_buffer
+from gdfold_max.ops.kernels import kernels_path
 from gdfold_max.sharded import (
     fold_shards,
     shard_heads,
     shard_pool,
     shard_ring,
-    shard_window_case,
     verify_shards,
 )
 

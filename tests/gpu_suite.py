@@ -26,14 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 #: limit, its tests spread (``load``): the window group passed 570 s unfinished as files
 #: and took 123 s spread over 14 workers on an H100 (bench/results/gpu-tests-window-h100-2026-12-06.txt).
 GROUPS: dict[str, tuple[list[str], str]] = {
-    "fold": (["test_fold_gpu.py", "test_fold_channel.py", "test_graph_tables.py", "test_max_parity.py",
+    "fold": (["test_fold_gpu.py", "test_fold_channel.py", "test_fold_graph_tables.py", "test_fold_max_parity.py",
               "test_sharded.py", "test_bench_shards.py"], "loadfile"),
-    "window": (["test_window.py", "test_window_channel.py", "test_window_max_parity.py", "test_kda_decode_gpu.py"],
-               "load"),
+    "window": (["test_window_cpu_gpu.py", "test_window_channel.py", "test_window_max_parity.py",
+                "test_window_channel_max_parity.py"], "load"),
     "range": (["test_supported_range.py"], "load"),
-    "max-layers": (["test_max_qwen3_5.py", "test_max_qwen3_5_devices.py", "test_max_qwen3_5_pipeline.py"],
-                   "loadfile"),
-    "max-decoding": (["test_max_qwen3_5_decoding.py"], "loadfile"),
+    "max-layers": (["test_integration_max_qwen3_5.py", "test_integration_max_qwen3_5_devices.py",
+                    "test_integration_max_qwen3_5_pipeline.py"], "loadfile"),
+    "max-decoding": (["test_integration_max_qwen3_5_decoding.py"], "loadfile"),
 }
 
 

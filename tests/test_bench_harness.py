@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from max.dtype import DType
 
-from gdfold_max.bench_harness import (
+from gdfold_max.bench.harness import (
     Rounds,
     compile_together,
     measure_rounds,

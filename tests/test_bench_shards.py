@@ -13,8 +13,8 @@ from max.engine import InferenceSession
 from typer.testing import CliRunner
 
 from conftest import NEEDS_TWO_GPUS
-from gdfold_max.bench_harness import FoldShape
-from gdfold_max.bench_shards import ShardedSteps, run_shard_bench, shard_shape
+from gdfold_max.bench.harness import FoldShape
+from gdfold_max.bench.shards import ShardedSteps, run_shard_bench, shard_shape
 from gdfold_max.cli import app
 
 TINY = FoldShape(num_layers=1, num_value_heads=4, num_key_heads=2, key_dim=32, value_dim=32)

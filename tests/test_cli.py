@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,9 +103,19 @@ def test_bench_step_refuses_an_unknown_gpu_path() -> None:
 
 
 def test_benchmark_shapes_per_gate() -> None:
-    from gdfold_max.bench_harness import FoldShape
+    from gdfold_max.bench.harness import FoldShape
 
     kimi = FoldShape.for_gate("channel")
     assert (kimi.num_layers, kimi.num_value_heads, kimi.num_key_heads, kimi.key_dim, kimi.value_dim) == (
         20, 32, 32, 128, 128)
     assert kimi.layout.elements == 128 + 128 + 128 and FoldShape.for_gate("head") == FoldShape()
+
+
+def test_importing_the_package_and_the_cli_loads_no_benchmark() -> None:
+    """The benchmarks (``gdfold_max.bench``) are no part of the product: ``import gdfold_max``
+    and ``gdfold_max.cli`` load none of them; the bench commands import theirs when they run."""
+    code = ("import sys, gdfold_max, gdfold_max.cli; print(sorted(m for m in sys.modules"
+            " if m == 'gdfold_max.bench' or m.startswith('gdfold_max.bench.')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

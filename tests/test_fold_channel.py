@@ -12,7 +12,7 @@ from max.driver import Buffer
 from conftest import assert_bits_equal
 from gdfold_max import StateFolder, folder_for
 from gdfold_max.cases import random_fold_case, spec_decode_case
-from gdfold_max.eager import validate_fold
+from gdfold_max.eager.fold import validate_fold
 from gdfold_max.layout import RecordLayout
 
 

@@ -10,7 +10,7 @@ from cases_matrix import MATRIX, SPEC_DECODE, matrix_case, spec_case
 from conftest import CONFORMANCE_DIR, assert_bits_equal
 from gdfold_max import StateFolder, reference
 from gdfold_max.cases import FoldCase
-from gdfold_max.eager import validate_fold
+from gdfold_max.eager.fold import validate_fold
 
 pytestmark = pytest.mark.gpu
 

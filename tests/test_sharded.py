@@ -18,19 +18,18 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from conftest import NEEDS_TWO_GPUS, assert_bits_equal
 from gdfold_max import reference, runner_for
-from gdfold_max.cases import WindowCase, random_fold_case, random_window_case
-from gdfold_max.eager_base import host_buffer
-from gdfold_max.graph import kernels_path
+from gdfold_max.cases import WindowCase, random_fold_case, random_window_case, shard_window_case
+from gdfold_max.eager.base import host_buffer
+from gdfold_max.ops.kernels import kernels_path
 from gdfold_max.sharded import (
     fold_shards,
     shard_heads,
     shard_pool,
     shard_ring,
-    shard_window_case,
     shard_window_inputs,
 )
 
-# K = V = 64, RING_LEN 4 and fp32: the eager verify graphs are the ones test_window
+# K = V = 64, RING_LEN 4 and fp32: the eager verify graphs are the ones test_window_cpu_gpu
 # compiles (heads are symbolic), so these tests compile no graph of their own.
 K = V = 64
 

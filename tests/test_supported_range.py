@@ -30,7 +30,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
 from conftest import bits
 from gdfold_max import kernels_path, recurrence, reference, state_fold, verify_ring
 from gdfold_max.cases import FoldCase, WindowCase, random_fold_case, random_window_case, spec_decode_case
-from gdfold_max.eager_base import copy_back, host_buffer
+from gdfold_max.eager.base import copy_back, host_buffer
 from gdfold_max.layout import Gate
 
 

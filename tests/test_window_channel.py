@@ -14,9 +14,9 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from conftest import assert_bits_equal
 from gdfold_max import StateFolder, folder_for, reference, runner_for, verify_ring
 from gdfold_max.cases import WindowCase, random_window_case
-from gdfold_max.graph import kernels_path
+from gdfold_max.eager.window import WindowRunner
 from gdfold_max.layout import RecordLayout
-from gdfold_max.window_eager import WindowRunner
+from gdfold_max.ops.kernels import kernels_path
 
 #: Where the per-channel ops run: the CPU, and the GPU ("auto" runs the latency kernel).
 CHANNEL_TARGETS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]

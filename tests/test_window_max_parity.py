@@ -61,7 +61,7 @@ def test_our_verify_beside_max_verify(state_dtype_name: str) -> None:
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
-    from gdfold_max.eager_base import copy_back, host_buffer
+    from gdfold_max.eager.base import copy_back, host_buffer
 
     device = Accelerator()
     state_dtype = DType.float32 if state_dtype_name == "float32" else DType.bfloat16

@@ -14,7 +14,7 @@ import pytest
 from max.dtype import DType
 
 from gdfold_max import kernels_path
-from gdfold_max.window_shared_memory import BLOCK_SHARED_MAX, BLOCK_STATIC_LIMIT, static_bytes, tile_bytes
+from gdfold_max.ops.shared_memory import BLOCK_SHARED_MAX, BLOCK_STATIC_LIMIT, static_bytes, tile_bytes
 
 # (state dtype, K, column tile, fold on load): the tiles the ops default to, the widest
 # they take, the padded (not boxed) tiles, and both kinds of verify.

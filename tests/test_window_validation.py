@@ -11,7 +11,7 @@ import pytest
 
 from conftest import assert_bits_equal
 from gdfold_max.cases import WindowCase, random_window_case
-from gdfold_max.window_eager import runner_for
+from gdfold_max.eager.window import runner_for
 
 
 def _case() -> WindowCase:
@@ -202,7 +202,7 @@ def test_gpu_tiling_defaults_and_explicit_values() -> None:
     allows, whatever K."""
     from max.dtype import DType
 
-    from gdfold_max.window_graph import gpu_tiling
+    from gdfold_max.ops.window import gpu_tiling
 
     f32 = DType.float32
     auto = {"GPU_PATH": 0}
@@ -217,7 +217,7 @@ def test_gpu_tiling_defaults_and_explicit_values() -> None:
 def test_gpu_path_names_its_kernel_and_bad_names_are_refused() -> None:
     from max.dtype import DType
 
-    from gdfold_max.window_graph import gpu_tiling
+    from gdfold_max.ops.window import gpu_tiling
 
     f32 = DType.float32
     paths = ("auto", "latency", "throughput", "walk")
@@ -235,7 +235,7 @@ def test_gpu_tiles_that_split_a_warp_are_refused(value_dim: int, column_tile: in
     multiple of 16; where the caller names none, the widest of those that divides V."""
     from max.dtype import DType
 
-    from gdfold_max.window_graph import gpu_tiling
+    from gdfold_max.ops.window import gpu_tiling
 
     with pytest.raises(ValueError, match=f"column_tile: {column_tile} must be 4, 8, 16 or a multiple of 16,"
                                          f" and divide V={value_dim}"):
@@ -296,18 +296,18 @@ def test_window_ops_refuse_a_gpu_other_than_hopper_at_build(monkeypatch: pytest.
     built (the device is faked here; the op checks it again before it enqueues)."""
     from max.graph import DeviceRef
 
-    from gdfold_max import window_graph
+    from gdfold_max.ops import window
 
     class FakeGpu:
         def __init__(self, device_id: int) -> None:
             self.api, self.architecture_name = api, architecture
 
-    monkeypatch.setattr(window_graph, "accelerator_count", lambda: 1)
-    monkeypatch.setattr(window_graph, "Accelerator", FakeGpu)
+    monkeypatch.setattr(window, "accelerator_count", lambda: 1)
+    monkeypatch.setattr(window, "Accelerator", FakeGpu)
     if refused:
         with pytest.raises(ValueError, match=rf"recurrent_state: lives on GPU 0 \({api} {architecture}\); the GPU"
                                              r" verify and forward need an NVIDIA Hopper GPU"):
-            window_graph.check_window_device(DeviceRef.GPU(0))
+            window.check_window_device(DeviceRef.GPU(0))
     else:
-        window_graph.check_window_device(DeviceRef.GPU(0))
-    window_graph.check_window_device(DeviceRef.CPU())
+        window.check_window_device(DeviceRef.GPU(0))
+    window.check_window_device(DeviceRef.CPU())

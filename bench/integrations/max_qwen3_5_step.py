@@ -43,8 +43,8 @@ from max.pipelines.architectures.qwen3_5.state_cache import GatedDeltaRingAccess
 from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback
 
 from gdfold_max import kernels_path
-from gdfold_max.bench_harness import best_seconds
-from gdfold_max.eager_base import host_buffer
+from gdfold_max.bench.harness import best_seconds
+from gdfold_max.eager.base import host_buffer
 from gdfold_max.integrations import max_qwen3_5
 from gdfold_max.layout import RecordLayout
 

@@ -37,8 +37,8 @@ from max.driver import CPU, Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench_harness import FoldShape
-from gdfold_max.bench_step import StepGraphs, make_step_operands
+from gdfold_max.bench.harness import FoldShape
+from gdfold_max.bench.step import StepGraphs, make_step_operands
 
 PHASES = (
     "copies waited for, barrier 1 (and next ids)",

@@ -20,9 +20,9 @@ from max.driver import Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench_harness import FoldShape
-from gdfold_max.bench_step import StepGraphs, make_step_operands
-from gdfold_max.window_graph import GPU_PATHS
+from gdfold_max.bench.harness import FoldShape
+from gdfold_max.bench.step import StepGraphs, make_step_operands
+from gdfold_max.ops.window import GPU_PATHS
 
 
 def main() -> None:

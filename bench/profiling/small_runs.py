@@ -24,8 +24,8 @@ from max.dtype import DType
 
 from gdfold_max import WindowRunner, fold, folder_for, reference, runner_for
 from gdfold_max.cases import WindowCase, random_fold_case, random_window_case
-from gdfold_max.eager import validate_fold
-from gdfold_max.eager_base import copy_back, host_buffer
+from gdfold_max.eager.base import copy_back, host_buffer
+from gdfold_max.eager.fold import validate_fold
 from gdfold_max.layout import Gate
 
 

@@ -28,8 +28,8 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from torch.profiler import ProfilerActivity, profile
 
-from gdfold_max.bench_harness import FoldShape
-from gdfold_max.bench_step import VARIANTS, StepGraphs, make_step_operands
+from gdfold_max.bench.harness import FoldShape
+from gdfold_max.bench.step import VARIANTS, StepGraphs, make_step_operands
 
 
 def run_once(model: Model, device: Device, operands: list[Buffer]) -> None:

@@ -31,8 +31,8 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from rich.console import Console
 
-from gdfold_max.bench_harness import FoldShape, compile_together, measure_rounds
-from gdfold_max.bench_step import StepGraphs, make_step_operands, step_host_inputs
+from gdfold_max.bench.harness import FoldShape, compile_together, measure_rounds
+from gdfold_max.bench.step import StepGraphs, make_step_operands, step_host_inputs
 
 PATHS = ("latency", "throughput", "walk")
 OURS = ("fused", "forward")
@@ -74,7 +74,7 @@ def main() -> None:
                      [state_dtype], chained=not replay)
     fla = None
     if not args.no_fla:
-        from gdfold_max.fla_anchor import FlaSteps, fla_missing
+        from gdfold_max.bench.fla import FlaSteps, fla_missing
 
         missing = fla_missing()
         if missing:

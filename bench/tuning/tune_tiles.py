@@ -15,8 +15,8 @@ from max.driver import Accelerator
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench import FoldGraphs, make_operands
-from gdfold_max.bench_harness import FoldShape
+from gdfold_max.bench.fold import FoldGraphs, make_operands
+from gdfold_max.bench.harness import FoldShape
 
 CANDIDATES = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8), (16, 4), (128, 16)]
 

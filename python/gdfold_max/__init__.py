@@ -20,37 +20,39 @@ from typing import TYPE_CHECKING, Any
 from . import layout, reference
 
 if TYPE_CHECKING:
-    from .eager import StateFolder, fold, folder_for
-    from .graph import FOLD_OP_NAME, kernels_path, state_fold
-    from .window_eager import WindowRunner, runner_for
-    from .window_graph import RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, recurrence, verify_ring
+    from .eager.fold import StateFolder, fold, folder_for
+    from .eager.window import WindowRunner, runner_for
+    from .ops.fold import state_fold
+    from .ops.kernels import FOLD_OP_NAME, RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, kernels_path
+    from .ops.window import recurrence, verify_ring
 
 try:
     __version__ = version("gdfold_max")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-#: The names that need MAX, and the module that defines each.
-_NEEDS_MAX = {
-    "StateFolder": "eager",
-    "fold": "eager",
-    "folder_for": "eager",
-    "FOLD_OP_NAME": "graph",
-    "kernels_path": "graph",
-    "state_fold": "graph",
-    "WindowRunner": "window_eager",
-    "runner_for": "window_eager",
-    "RECURRENCE_OP_NAME": "window_graph",
-    "VERIFY_FOLD_ON_LOAD_OP_NAME": "window_graph",
-    "VERIFY_OP_NAME": "window_graph",
-    "recurrence": "window_graph",
-    "verify_ring": "window_graph",
+#: The names imported on first use, and the module that defines each (all of them need
+#: MAX but ``ops.kernels``, the kernel package's path and op names).
+_LAZY = {
+    "StateFolder": "eager.fold",
+    "fold": "eager.fold",
+    "folder_for": "eager.fold",
+    "FOLD_OP_NAME": "ops.kernels",
+    "RECURRENCE_OP_NAME": "ops.kernels",
+    "VERIFY_FOLD_ON_LOAD_OP_NAME": "ops.kernels",
+    "VERIFY_OP_NAME": "ops.kernels",
+    "kernels_path": "ops.kernels",
+    "state_fold": "ops.fold",
+    "recurrence": "ops.window",
+    "verify_ring": "ops.window",
+    "WindowRunner": "eager.window",
+    "runner_for": "eager.window",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NEEDS_MAX:
-        value = getattr(import_module(f".{_NEEDS_MAX[name]}", __name__), name)
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -26,6 +26,9 @@ from numpy.typing import NDArray
 
 from . import reference
 from .layout import Gate, RecordLayout
+
+if TYPE_CHECKING:
+    from .sharded import HeadShard
 
 
 @dataclass
@@ -306,3 +309,14 @@ def random_window_case(
         previous_ring_row_ids=previous_rows,
         previous_num_accepted=np.asarray(counts, np.uint32),
     )
+
+
+def shard_window_case(case: WindowCase, shard: HeadShard) -> tuple[np.ndarray, ...]:
+    """A verify case's ``qkv``, ``decay``, ``beta``, pool and ring cut to one shard (its row
+    tables serve every shard as they are). Imports ``gdfold_max.sharded``, so needs MAX."""
+    from .sharded import shard_pool, shard_ring, shard_window_inputs
+
+    _, _, key_dim, value_dim = case.state.shape
+    tokens = shard_window_inputs(*case.tokens(), shard, num_key_heads=case.num_key_heads, key_dim=key_dim,
+                                 value_dim=value_dim)
+    return (*tokens, shard_pool(case.state, shard), shard_ring(case.ring, shard))

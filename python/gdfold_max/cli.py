@@ -65,7 +65,7 @@ def demo(
     the fold must reproduce that pool bit for bit.
     """
     from . import cases
-    from .eager import folder_for
+    from .eager.fold import folder_for
 
     console.print(f"[bold]making the case[/]: 36 layers x batch {batch}, numpy reference verify ...")
     case = cases.spec_decode_case(seed, layers=36, batch=batch, num_value_heads=32, num_key_heads=16,
@@ -101,7 +101,7 @@ def check(
     Exits 0 only when every row matches.
     """
     from .cases import FoldCase
-    from .eager import folder_for
+    from .eager.fold import folder_for
 
     case = FoldCase.load(path)
     state, ring, row_ids, ring_row_ids, accepted = case.fold_operands()
@@ -169,8 +169,8 @@ def bench(
     """Time our fold beside MAX's built-in fold (GPU) or a numpy copy (CPU), Qwen3-Next shapes."""
     from max.driver import accelerator_count
 
-    from .bench import render, run_bench
-    from .bench_harness import FoldShape, write_json
+    from .bench.fold import render, run_bench
+    from .bench.harness import FoldShape, write_json
 
     batch_list = [int(b) for b in batches.split(",")]
     if accelerator_count() == 0 and batches == "1,8,64,256":
@@ -212,9 +212,9 @@ def bench_step(
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
 
-    from .bench_harness import FoldShape, write_json
-    from .bench_step import render_steps, run_step_bench
-    from .window_graph import GPU_PATHS, WindowTiling
+    from .bench.harness import FoldShape, write_json
+    from .bench.step import render_steps, run_step_bench
+    from .ops.window import GPU_PATHS, WindowTiling
 
     dtype_list = _state_dtypes(dtypes)
     if device == Target.gpu and accelerator_count() == 0:
@@ -254,8 +254,8 @@ def bench_shards(
     """Time a decoding step on tensor-parallel shards (one per device) against one shard alone on one device."""
     from max.driver import CPU, Accelerator, Device, accelerator_count
 
-    from .bench_harness import FoldShape, write_json
-    from .bench_shards import render_shard_rows, run_shard_bench, shard_shape
+    from .bench.harness import FoldShape, write_json
+    from .bench.shards import render_shard_rows, run_shard_bench, shard_shape
 
     dtype_list = _state_dtypes(dtypes)
     batch_list = [int(b) for b in batches.split(",")]

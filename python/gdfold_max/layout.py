@@ -1,4 +1,5 @@
-"""The ring record layout, for Python (mirrors ``mojo/record_layout.mojo``).
+"""The ring record layout, for Python (mirrors ``mojo/record_layout.mojo``), and the
+kernels' reduction lane count (``REDUCTION_LANES``).
 
 For ring row ``r``, key head ``h`` and token ``t``, ``ring[r, h, t, :]`` holds:
 
@@ -23,6 +24,11 @@ from typing import Literal
 
 #: Record strides are whole multiples of this many floats (128 bytes).
 STRIDE_ALIGNMENT = 32
+
+#: Every reduction over K runs on this many lanes, lane ``p`` over ``i = p, p+8, ...``
+#: (``REDUCTION_LANES`` in ``mojo/recurrence_math.mojo``; ``reference.lane_dot``): the
+#: order of the sums, and the lane-major order the GPU window kernel stages keys in.
+REDUCTION_LANES = 8
 
 #: How a value head's state decays per token: one scalar per head (Gated DeltaNet), or
 #: one decay per key row (per-channel gates, Kimi Delta Attention).

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .layout import Gate, RecordLayout
+from .layout import REDUCTION_LANES, Gate, RecordLayout
 
 #: Added to the squared norm before the square root in the L2 normalisation.
 L2_EPS = 1e-6
@@ -102,10 +102,6 @@ class HeadShape:
         v = row[2 * nk * kd :].reshape(nv, vd)
         g = self.group_size
         return np.repeat(q, g, axis=0), np.repeat(k, g, axis=0), v
-
-
-#: Every reduction over K runs on this many lanes (see :func:`lane_dot`).
-REDUCTION_LANES = 8
 
 
 def _lane_tree(lanes: F32) -> F32:

@@ -10,8 +10,7 @@ device and :func:`broadcast_counts` hands to the others.
 
 * :func:`shard_heads` says which heads each of ``n`` devices holds;
 * :func:`shard_window_inputs`, :func:`shard_pool` and :func:`shard_ring` cut numpy
-  operands to one shard, :func:`shard_window_case` a whole verify case (for tests and
-  host-side setup);
+  operands to one shard (``cases.shard_window_case`` cuts a whole verify case, for tests);
 * :func:`fold_shards` and :func:`verify_shards` put the ops of every device in one MAX
   graph, with the counts broadcast where there is more than one device.
 
@@ -33,9 +32,8 @@ import numpy as np
 from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, TensorValue, ops
 
-from .cases import WindowCase
-from .graph import state_fold
-from .window_graph import verify_ring
+from .ops.fold import state_fold
+from .ops.window import verify_ring
 
 
 @dataclass(frozen=True)
@@ -94,15 +92,6 @@ def shard_ring(ring: np.ndarray, shard: HeadShard) -> np.ndarray:
     """One shard's ``[ring_rows, nk / n, RING_LEN, stride]`` ring: its key heads' records
     (a key head's record holds its own group's delta rows and decays only), as a new array."""
     return np.array(ring[:, shard.key_heads.start : shard.key_heads.stop], order="C", copy=True)
-
-
-def shard_window_case(case: WindowCase, shard: HeadShard) -> tuple[np.ndarray, ...]:
-    """A verify case's ``qkv``, ``decay``, ``beta``, pool and ring cut to one shard (its row
-    tables serve every shard as they are)."""
-    _, _, key_dim, value_dim = case.state.shape
-    tokens = shard_window_inputs(*case.tokens(), shard, num_key_heads=case.num_key_heads, key_dim=key_dim,
-                                 value_dim=value_dim)
-    return (*tokens, shard_pool(case.state, shard), shard_ring(case.ring, shard))
 
 
 def broadcast_counts(counts: TensorValue, devices: Sequence[DeviceRef],

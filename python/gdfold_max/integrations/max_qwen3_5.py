@@ -37,9 +37,10 @@ from typing import Any
 from max.dtype import DType
 from max.graph import BufferValue, TensorType, TensorValue, default_custom_extensions_scope, ops
 
-from ..graph import kernels_path, state_fold, when_no_drafts
-from ..graph_checks import static_size
-from ..window_graph import recurrence, verify_ring
+from ..ops.checks import static_size
+from ..ops.fold import state_fold, when_no_drafts
+from ..ops.kernels import kernels_path
+from ..ops.window import recurrence, verify_ring
 
 try:
     from max.pipelines.architectures.qwen3_5.layers import gated_deltanet

@@ -1,4 +1,4 @@
-"""What the fold benchmark (``bench``) and the step benchmark (``bench_step``) share.
+"""What the fold benchmark (``bench.fold``) and the step benchmark (``bench.step``) share.
 
 Timing: a graph of R chained links (folds, or decoding steps) against a graph of one,
 per link = (t_R - t_1) / (R - 1), best of several runs, so the graph-call overhead
@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .graph import kernels_path
-from .layout import Gate, RecordLayout, check_gate
+from ..layout import Gate, RecordLayout, check_gate
+from ..ops.kernels import kernels_path
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from max.dtype import DType
 
-from .reference import REDUCTION_LANES
+from ..layout import REDUCTION_LANES
 
 # The kernel's constants (mojo/window_gpu_staging.mojo, mojo/bulk_copy.mojo).
 WINDOW_CHUNK = 4

@@ -9,7 +9,7 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
 from gdfold_max import kernels_path, state_fold
-from gdfold_max.graph import FOLD_OP_NAME
+from gdfold_max.ops.kernels import FOLD_OP_NAME
 
 CPU = DeviceRef.CPU()
 

@@ -3,7 +3,7 @@ over devices, as MAX runs a tensor-parallel model: each device holds one shard's
 ring and row tables, and MAX broadcasts the accepted counts from the first device
 (``ops.distributed_broadcast``) before one fold per device. Each device's pool, bit for
 bit, against the reference fold on its own heads. GPU only (MAX's broadcast and its
-``Signals`` need accelerators; one device on the CPU is tests/test_max_qwen3_5.py's):
+``Signals`` need accelerators; one device on the CPU is tests/test_integration_max_qwen3_5.py's):
 the first GPU alone, the second alone, and two GPUs where there are two."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # no
 from conftest import NEEDS_TWO_GPUS, assert_bits_equal  # noqa: E402
 from gdfold_max import kernels_path, reference  # noqa: E402
 from gdfold_max.cases import random_fold_case  # noqa: E402
-from gdfold_max.eager_base import copy_back  # noqa: E402
+from gdfold_max.eager.base import copy_back  # noqa: E402
 from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 from gdfold_max.sharded import shard_heads, shard_pool, shard_ring  # noqa: E402
 

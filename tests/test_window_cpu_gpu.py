@@ -9,8 +9,8 @@ import pytest
 from conftest import WINDOW_TARGETS, assert_bits_equal
 from gdfold_max import reference
 from gdfold_max.cases import WindowCase, random_window_case
-from gdfold_max.eager import folder_for
-from gdfold_max.window_eager import WindowRunner, runner_for
+from gdfold_max.eager.fold import folder_for
+from gdfold_max.eager.window import WindowRunner, runner_for
 
 DTYPES = ["float32", "bfloat16"]
 GPU_PATHS = ["latency", "throughput", "walk"]
@@ -143,7 +143,7 @@ def test_gpu_window_skips_out_of_range_ids(gpu_path: str) -> None:
     from max.driver import CPU, Buffer
     from max.dtype import DType
 
-    from gdfold_max.eager_base import copy_back, host_buffer
+    from gdfold_max.eager.base import copy_back, host_buffer
 
     runner = runner_for("gpu", gpu_path)
     case = random_window_case(6, windows=[4, 2, 3])

@@ -1,4 +1,4 @@
-"""What the eager fold (``eager``) and the eager verify and forward (``window_eager``)
+"""What the eager fold (``eager.fold``) and the eager verify and forward (``eager.window``)
 share: device resolution, host-side operand checks, the compiled-graph cache, and the
 upload / execute / copy-back sequence.
 

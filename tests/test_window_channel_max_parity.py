@@ -29,7 +29,7 @@ def max_kda_forward(case: WindowCase, pool: np.ndarray) -> np.ndarray:
     from max.engine import InferenceSession
     from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-    from gdfold_max.bench_step import max_kda_decode
+    from gdfold_max.bench.step import max_kda_decode
 
     qkv, decay, beta = case.tokens()
     rows, nv, kd, vd = pool.shape

@@ -1,7 +1,7 @@
 """The fold benchmark: our fold beside an anchor, in one process, on Qwen3-Next-80B shapes.
 
 On a GPU the anchor is MAX's built-in ``gated_delta_state_fold``; on the CPU it is a
-numpy copy of the same state bytes. Timing as ``bench_harness`` says. Effective
+numpy copy of the same state bytes. Timing as ``bench.harness`` says. Effective
 bandwidth counts the state read and written once plus the record fields read.
 """
 
@@ -19,8 +19,9 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from max.graph import Module as GraphModule
 from rich.console import Console
 
-from .bench_harness import ChainedGraphs, FoldShape, best_seconds, render_rows, sweep, times
-from .graph import kernels_path, state_fold
+from ..ops.fold import state_fold
+from ..ops.kernels import kernels_path
+from .harness import ChainedGraphs, FoldShape, best_seconds, render_rows, sweep, times
 
 #: GPU tiling keywords of :func:`state_fold` (``key_dim_tile``, ``rows_per_thread``).
 Tiling: TypeAlias = dict[str, int] | None

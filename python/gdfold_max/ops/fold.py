@@ -1,39 +1,20 @@
-"""Graph-level functions: the only door from a MAX graph to the gdfold kernels.
+"""The fold for graphs: ``state_fold`` and its GPU tiling.
 
-A graph that calls these must be built with ``custom_extensions=[kernels_path()]``.
+A graph that calls it must be built with ``custom_extensions=[kernels_path()]``
+(``gdfold_max.ops.kernels``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from max.dtype import DType
 from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
-from .graph_checks import ring_parameters, row_table, shape_text, static_size
-from .layout import Gate, check_gate
-
-#: The name our fold op is registered under (MAX's own is ``gated_delta_state_fold``).
-FOLD_OP_NAME = "gdfold_state_fold"
-#: The fold with per-channel gates (records with K decays per value head).
-FOLD_CHANNEL_OP_NAME = "gdfold_state_fold_channel"
-
-
-def kernels_path() -> Path:
-    """The Mojo package folder to pass to ``Graph(..., custom_extensions=[...])``.
-
-    >>> (kernels_path() / "fold.mojo").is_file()
-    True
-    """
-    installed = Path(str(resources.files("gdfold_max"))) / "mojo"
-    if installed.is_dir():
-        return installed
-    # An editable install or a source checkout: the sources sit at the repository root.
-    return Path(__file__).resolve().parents[2] / "mojo"
-
+from ..layout import Gate, check_gate
+from .checks import ring_parameters, row_table, shape_text, static_size
+from .kernels import FOLD_CHANNEL_OP_NAME, FOLD_OP_NAME
 
 #: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD), measured on an H200 at
 #: Qwen3-Next shapes (bench/tuning/tune_tiles.py). fp32: (64, 8) is 4.5% faster than (128, 8) at
@@ -193,6 +174,7 @@ def state_fold(
 
     Example:
         >>> from max.graph import BufferType, DeviceRef, Graph, TensorType
+        >>> from gdfold_max import kernels_path
         >>> cpu = DeviceRef.CPU()
         >>> with Graph("fold", input_types=[
         ...         BufferType(DType.float32, [8, 4, 64, 64], cpu),

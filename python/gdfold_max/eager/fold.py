@@ -1,6 +1,6 @@
 """The eager fold: numpy (or MAX ``Buffer``) in, a compiled, cached graph underneath.
 
-Everything is validated on the host before the first byte is written (``eager_base``),
+Everything is validated on the host before the first byte is written (``eager.base``),
 so a bad call raises ``ValueError`` (or ``TypeError`` for a wrong kind of object) and
 leaves the pool and the ring untouched.
 """
@@ -16,7 +16,10 @@ from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from .eager_base import (
+from ..layout import Gate, check_gate
+from ..ops.fold import check_table_shapes, fold_parameters, state_fold
+from ..ops.kernels import kernels_path
+from .base import (
     ArrayOrBuffer,
     CompiledGraphs,
     DeviceLike,
@@ -26,8 +29,6 @@ from .eager_base import (
     describe,
     host_table,
 )
-from .graph import check_table_shapes, fold_parameters, kernels_path, state_fold
-from .layout import Gate, check_gate
 
 
 @dataclass(frozen=True)

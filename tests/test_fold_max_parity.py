@@ -87,7 +87,7 @@ def test_our_fold_equals_max_fold_and_forward(state_dtype_name: str, ring_len: i
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
-    from gdfold_max.eager_base import copy_back, host_buffer
+    from gdfold_max.eager.base import copy_back, host_buffer
 
     device = Accelerator()
     state_dtype = DType.float32 if state_dtype_name == "float32" else DType.bfloat16

@@ -48,7 +48,7 @@ from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # no
 
 from conftest import assert_bits_equal  # noqa: E402
 from gdfold_max import fold, kernels_path  # noqa: E402
-from gdfold_max.eager_base import copy_back  # noqa: E402
+from gdfold_max.eager.base import copy_back  # noqa: E402
 from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 from gdfold_max.layout import RecordLayout  # noqa: E402
 

@@ -16,7 +16,11 @@ from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from .eager_base import (
+from ..layout import Gate
+from ..ops.checks import pool_dims, ring_parameters
+from ..ops.kernels import kernels_path
+from ..ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
+from .base import (
     ArrayOrBuffer,
     CompiledGraphs,
     DeviceLike,
@@ -26,10 +30,6 @@ from .eager_base import (
     describe,
     host_table,
 )
-from .graph import kernels_path
-from .graph_checks import pool_dims, ring_parameters
-from .layout import Gate
-from .window_graph import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 

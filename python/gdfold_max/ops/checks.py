@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from max.dtype import DType
 from max.graph import Dim, StaticDim, TensorValue, ops
 
-from .layout import Gate, RecordLayout
+from ..layout import Gate, RecordLayout
 
 #: Supported state dtypes, key/value dims and ring lengths.
 STATE_DTYPES = (DType.float32, DType.bfloat16)

@@ -13,13 +13,13 @@ one process.
 * ``fla``: FLA's Triton ``fused_recurrent_gated_delta_rule`` (the kernel vLLM's and
   SGLang's decode build on) over the same windows and data for every layer, initial
   state in, final state out. It runs where ``torch`` and ``fla`` import, on a GPU; it is
-  an anchor, not a dependency of this package (``fla_anchor``).
+  an anchor, not a dependency of this package (``bench.fla``).
 * ``kda``: with per-channel gates, MAX's ``kda_decode`` for every layer, the forward
   over the same windows (its gates and betas go in as pre-activations; the values do not
   change the work, so the timing is the op's). The anchor for ``forward`` there, as
   MAX has no verify ring or fold for per-channel gates.
 
-Timing as ``bench_harness`` says: per step (t_R - t_1) / (R - 1), best of ``repeats``,
+Timing as ``bench.harness`` says: per step (t_R - t_1) / (R - 1), best of ``repeats``,
 every variant in turn for ``rounds`` rounds, the median kept and the per-round ratios'
 spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours``,
 ``fused`` and ``forward`` run. Shapes default to Qwen3-Next-80B's gated-delta layers, a window of
@@ -44,12 +44,13 @@ from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, Ten
 from max.graph import Module as GraphModule
 from rich.console import Console
 
-from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
-from .graph import kernels_path, state_fold
-from .window_graph import WindowTiling, recurrence, verify_ring
+from ..ops.fold import state_fold
+from ..ops.kernels import kernels_path
+from ..ops.window import WindowTiling, recurrence, verify_ring
+from .harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
 
 if TYPE_CHECKING:
-    from .fla_anchor import FlaSteps
+    from .fla import FlaSteps
 
 #: The graph variants with one decay per head (FLA runs through torch, beside them).
 VARIANTS = ("max", "ours", "fused", "forward")
@@ -288,7 +289,7 @@ def run_step_bench(
     graph_variants = all_variants if on_gpu else tuple(v for v in all_variants if v != anchor)
     fla: FlaSteps | None = None
     if with_anchors and with_fla:
-        from .fla_anchor import FlaSteps, fla_missing
+        from .fla import FlaSteps, fla_missing
 
         missing = fla_missing()
         if missing:

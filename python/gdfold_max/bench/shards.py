@@ -11,7 +11,7 @@ in one process.
 
 Nothing crosses devices but the counts, so ``shards`` should take the time of ``one``:
 the ratio one / shards is the claim, 1 when the devices run fully in parallel. Timed as
-``bench_harness`` says, graphs of R chained steps against one step, each ``execute()``
+``bench.harness`` says, graphs of R chained steps against one step, each ``execute()``
 followed by a synchronisation of every device (graphs over several devices are not
 captured), both variants in turn for ``rounds`` rounds, the medians kept.
 
@@ -34,11 +34,11 @@ from max.graph import Module as GraphModule
 from max.nn.comm import Signals
 from rich.console import Console
 
-from .bench_harness import ChainedGraphs, FoldShape, measure_rounds, render_rows, sweep
-from .bench_step import ACCEPTED_AT, make_step_operands, step_input_types
-from .graph import kernels_path
-from .sharded import broadcast_counts
-from .window_graph import verify_ring
+from ..ops.kernels import kernels_path
+from ..ops.window import verify_ring
+from ..sharded import broadcast_counts
+from .harness import ChainedGraphs, FoldShape, measure_rounds, render_rows, sweep
+from .step import ACCEPTED_AT, make_step_operands, step_input_types
 
 #: ``shards``: every shard on its device; ``one``: the first shard alone on the first device.
 SHARD_VARIANTS = ("shards", "one")

@@ -1,9 +1,10 @@
 """Graph-level functions for the recurrence over token windows: ``verify_ring`` (with
 or without fold on load) and ``recurrence``, the plain forward.
 
-A graph that calls these must be built with ``custom_extensions=[kernels_path()]``.
-The arithmetic runs in one fixed, documented order (see ``reference``), so the numpy
-reference reproduces the readout, the records and the pool bit for bit.
+A graph that calls these must be built with ``custom_extensions=[kernels_path()]``
+(``gdfold_max.ops.kernels``). The arithmetic runs in one fixed, documented order (see
+``reference``), so the numpy reference reproduces the readout, the records and the pool
+bit for bit.
 """
 
 from __future__ import annotations
@@ -15,15 +16,10 @@ from max.driver import Accelerator, accelerator_count
 from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
 
-from .graph_checks import pool_dims, ring_parameters, row_table, shape_text, static_size
-from .layout import Gate
-from .window_shared_memory import check_column_tile_fits
-
-VERIFY_OP_NAME = "gdfold_verify_ring"
-VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
-RECURRENCE_OP_NAME = "gdfold_recurrence"
-#: The ops with per-channel gates (a ``[T, nv, K]`` decay) are these names plus this.
-CHANNEL_OP_SUFFIX = "_channel"
+from ..layout import Gate
+from .checks import pool_dims, ring_parameters, row_table, shape_text, static_size
+from .kernels import CHANNEL_OP_SUFFIX, RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME
+from .shared_memory import check_column_tile_fits
 
 #: Value columns one GPU block owns, at most. A block stages a K x tile slice of the
 #: state in dynamic shared memory; at K=128 and an fp32 pool, 64 columns (128 threads

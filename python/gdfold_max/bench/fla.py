@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from max.dtype import DType
 
-from .bench_harness import FoldShape, best_seconds, per_link_from
+from .harness import FoldShape, best_seconds, per_link_from
 
 
 def fla_missing() -> str:
@@ -49,7 +49,7 @@ class FlaSteps:
 
     def prepare(self, host: dict[str, np.ndarray], batch: int, state_dtype: DType, repeats: int
                 ) -> Callable[[], float]:
-        """Uploads one step's data (from ``bench_step.step_host_inputs``), captures the
+        """Uploads one step's data (from ``bench.step.step_host_inputs``), captures the
         graphs, and returns a function that times a step."""
         import torch
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule

@@ -16,7 +16,7 @@ from cases_matrix import matrix_case
 from conftest import assert_bits_equal
 from gdfold_max import StateFolder, reference
 from gdfold_max.cases import FoldCase, random_fold_case
-from gdfold_max.eager import validate_fold
+from gdfold_max.eager.fold import validate_fold
 
 CASE = "fp32-K64-G2-R4"
 

@@ -179,7 +179,7 @@ BATCH, WINDOW, RING_LEN, STRIDE = 3, 4, 4, 640  # stride: K + G*(V+1) = 386, pad
 def _layer(dtype: DType, where: DeviceRef, cls: type) -> object:
     import ml_dtypes
 
-    from gdfold_max.eager_base import host_buffer
+    from gdfold_max.eager.base import host_buffer
 
     layer = cls(HIDDEN, NK, NV, HEAD, HEAD, CONV, dtype, where)
     rng = np.random.default_rng(51)
@@ -233,7 +233,7 @@ def _run_steps(dtype: DType, variant: str, steps: list[dict[str, np.ndarray]]) -
     from max.driver import Accelerator
 
     from gdfold_max import fold
-    from gdfold_max.eager_base import copy_back, host_buffer
+    from gdfold_max.eager.base import copy_back, host_buffer
 
     gpu = Accelerator()
     graph, layer = _step_graph(dtype, DeviceRef.GPU(), variant)

@@ -1,0 +1,50 @@
+"""The Mojo kernel package, and the names its ops are registered under.
+
+A graph that calls an op of ``gdfold_max.ops`` must be built with
+``custom_extensions=[kernels_path()]``. The names below are the ones the Mojo sources
+register (``@extensibility.register`` in ``mojo/``): this is the one table of them on
+the Python side. This module needs no MAX.
+
+>>> import re
+>>> registered = {name for source in kernels_path().glob("*.mojo")
+...               for name in re.findall(r'@extensibility\\.register\\("(\\w+)"\\)', source.read_text())}
+>>> sorted(registered) == sorted(REGISTERED_OPS)
+True
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+#: The name our fold op is registered under (MAX's own is ``gated_delta_state_fold``).
+FOLD_OP_NAME = "gdfold_state_fold"
+#: The fold with per-channel gates (records with K decays per value head).
+FOLD_CHANNEL_OP_NAME = "gdfold_state_fold_channel"
+VERIFY_OP_NAME = "gdfold_verify_ring"
+VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
+RECURRENCE_OP_NAME = "gdfold_recurrence"
+#: The window ops with per-channel gates (a ``[T, nv, K]`` decay) are these names plus this.
+CHANNEL_OP_SUFFIX = "_channel"
+
+#: Every op the kernel package registers.
+REGISTERED_OPS = (
+    FOLD_OP_NAME,
+    FOLD_CHANNEL_OP_NAME,
+    *(name + suffix for name in (VERIFY_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, RECURRENCE_OP_NAME)
+      for suffix in ("", CHANNEL_OP_SUFFIX)),
+)
+
+
+def kernels_path() -> Path:
+    """The Mojo package folder to pass to ``Graph(..., custom_extensions=[...])``.
+
+    >>> (kernels_path() / "fold.mojo").is_file()
+    True
+    """
+    installed = Path(str(resources.files("gdfold_max"))) / "mojo"
+    if installed.is_dir():
+        return installed
+    # An editable install or a source checkout: the sources sit at the repository root
+    # (this file is python/gdfold_max/ops/kernels.py).
+    return Path(__file__).resolve().parents[3] / "mojo"

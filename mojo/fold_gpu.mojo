@@ -17,10 +17,8 @@ from std.math import ceildiv, fma
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 
-from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
+from .record_layout import RECORD_VEC, channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 
-# Floats per 16-byte record load. Record strides and K, V are multiples of 4 floats.
-comptime RECORD_VEC = 4
 
 
 def state_vector_width[state_dtype: DType]() -> Int:

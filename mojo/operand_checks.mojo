@@ -2,8 +2,7 @@
 
 from std.utils import IndexList
 
-from .fold_gpu import RECORD_VEC
-from .record_layout import channel_record_elements, record_elements
+from .record_layout import RECORD_VEC, channel_record_elements, record_elements
 
 
 def check_head_dims[K: Int, V: Int, RING_LEN: Int]():

@@ -5,6 +5,9 @@ delta row per value head of the group (G rows of V floats) and one decay per val
 head of the group (G floats), then padding up to the ring's record stride.
 """
 
+# Floats per 16-byte record load. Record strides and K, V are multiples of 4 floats.
+comptime RECORD_VEC = 4
+
 
 @always_inline
 def first_record_at[

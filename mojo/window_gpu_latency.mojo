@@ -47,7 +47,7 @@ from std.utils.numerics import nan
 from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 from .grid_dependency import load_hint, prefetch_l2, release_next_grid, wait_for_previous_grid
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
-from .window_gpu import column_slot, column_sum, gather_columns
+from .column_groups import column_slot, column_sum, gather_columns
 from .window_gpu_staging import (
     COPY_FLOATS,
     TOKEN_SCALARS,

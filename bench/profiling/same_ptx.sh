@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Whether the head-gate GPU kernels compile to the same PTX at git revision REV and in
-# this checkout (head_gate_ptx.mojo), no GPU needed:
+# Whether every GPU kernel family compiles to the same PTX at git revision REV and in
+# this checkout (kernels_ptx.mojo), no GPU needed:
 #
 #     bash bench/profiling/same_ptx.sh REV
 #
@@ -13,8 +13,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/old"
 git -C "$root" archive "$rev" mojo | tar -x -C "$work/old"
-"${MOJO:-mojo}" run -I "$work/old" "$root/bench/profiling/head_gate_ptx.mojo" > "$work/old.ptx"
-"${MOJO:-mojo}" run -I "$root" "$root/bench/profiling/head_gate_ptx.mojo" > "$work/new.ptx"
+"${MOJO:-mojo}" run -I "$work/old" "$root/bench/profiling/kernels_ptx.mojo" > "$work/old.ptx"
+"${MOJO:-mojo}" run -I "$root" "$root/bench/profiling/kernels_ptx.mojo" > "$work/new.ptx"
 "${PYTHON:-python3}" - "$work/old.ptx" "$work/new.ptx" "$rev" <<'PY'
 import re
 import sys

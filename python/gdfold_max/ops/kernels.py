@@ -39,7 +39,7 @@ REGISTERED_OPS = (
 def kernels_path() -> Path:
     """The Mojo package folder to pass to ``Graph(..., custom_extensions=[...])``.
 
-    >>> (kernels_path() / "fold.mojo").is_file()
+    >>> (kernels_path() / "fold_ops.mojo").is_file()
     True
     """
     installed = Path(str(resources.files("gdfold_max"))) / "mojo"

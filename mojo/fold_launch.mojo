@@ -1,4 +1,4 @@
-"""The `gdfold_state_fold` custom op: checks its operands, then folds on CPU or GPU.
+"""The fold's launch: checks its operands, then folds on CPU or GPU.
 
 Shape checks run for both targets before anything is launched. On the CPU the row
 tables are host memory, so every id is checked too before the first store. On the
@@ -6,14 +6,13 @@ GPU the tables live on the device and are trusted for speed, but the kernel neve
 follows an out-of-range id: it skips that (layer, request).
 """
 
-import extensibility
-from extensibility import InputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.utils import IndexList
 
 from .fold_cpu import fold_cpu
-from .fold_gpu import RECORD_VEC, fold_block_threads, fold_gpu_kernel
+from .fold_gpu import fold_block_threads, fold_gpu_kernel
 from .operand_checks import check_channel_record_stride, check_ids, check_pool_and_ring
+from .record_layout import RECORD_VEC
 
 
 def check_shapes[
@@ -115,36 +114,3 @@ def run_fold[
         )
     else:
         raise Error(t"gdfold_state_fold: unsupported target {target}")
-
-
-@extensibility.register("gdfold_state_fold")
-struct StateFold:
-    """Advances the live state pool over the accepted records of every (layer, request).
-    """
-
-    @staticmethod
-    def execute[
-        target: StaticString,
-        K: Int,
-        V: Int,
-        RING_LEN: Int,
-        KEY_DIM_TILE: Int,
-        ROWS_PER_THREAD: Int,
-    ](
-        recurrent_state: _MutableInputTensor[rank=4, ...],
-        ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
-        row_ids: InputTensor[dtype=DType.uint32, rank=2, ...],
-        ring_row_ids: InputTensor[dtype=DType.uint32, rank=2, ...],
-        num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
-        ctx: DeviceContext,
-    ) raises:
-        run_fold[
-            target, recurrent_state.dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, False
-        ](
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            ring.unsafe_ptr(), ring.shape(),
-            row_ids.unsafe_ptr(), row_ids.shape(),
-            ring_row_ids.unsafe_ptr(), ring_row_ids.shape(),
-            num_accepted.unsafe_ptr(), num_accepted.dim_size(0),
-            ctx,
-        )

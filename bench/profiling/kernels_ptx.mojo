@@ -1,0 +1,55 @@
+"""Prints the sm_90a PTX of every GPU kernel family at Qwen3-Next's shapes (K = V = 128,
+RING_LEN 4), each after a `// kernel:` line: the fold (head and per-channel gates), the
+latency kernel (verify, verify with fold on load and forward; head and per-channel gates;
+one slab and the walk's eight), and the throughput kernel (each op), in fp32 and bf16
+pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+identical leaves those kernels' bits and speed as they were.
+
+`_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
+"""
+
+from max.gpu.host.compile import _compile_code, get_gpu_target
+from mojo.fold_gpu import fold_gpu_kernel
+from mojo.window_gpu import windows_gpu_kernel
+from mojo.window_gpu_latency import windows_gpu_latency_kernel
+
+
+def op_name(record: Bool, fold_previous: Bool) -> String:
+    return "fold on load" if fold_previous else ("verify" if record else "forward")
+
+
+def fold[dtype: DType, tile: Int, rows: Int, channel: Bool]():
+    print("// kernel: fold,", dtype, "tile", tile, "x", rows, "channel" if channel else "head")
+    print(_compile_code[fold_gpu_kernel[dtype, 128, 128, 4, tile, rows, channel], target=get_gpu_target["sm_90a"]()]().asm)
+
+
+def latency[dtype: DType, record: Bool, fold_previous: Bool, cv: Int, channel: Bool, slabs: Int]():
+    print("// kernel: latency,", dtype, op_name(record, fold_previous), cv, "columns,",
+          "channel" if channel else "head", slabs, "slabs")
+    print(_compile_code[
+        windows_gpu_latency_kernel[dtype, 128, 128, 4, record, fold_previous, cv, channel, slabs],
+        target=get_gpu_target["sm_90a"](),
+    ]().asm)
+
+
+def throughput[dtype: DType, record: Bool, fold_previous: Bool, tile: Int]():
+    print("// kernel: throughput,", dtype, op_name(record, fold_previous), "tile", tile)
+    print(_compile_code[
+        windows_gpu_kernel[dtype, 128, 128, 4, record, fold_previous, tile], target=get_gpu_target["sm_90a"]()
+    ]().asm)
+
+
+def main():
+    fold[DType.float32, 64, 8, False]()
+    fold[DType.bfloat16, 128, 16, False]()
+    fold[DType.float32, 64, 8, True]()
+    fold[DType.bfloat16, 128, 16, True]()
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime for op in range(3):
+            comptime record = op < 2
+            comptime fold_previous = op == 0
+            throughput[dtype, record, fold_previous, 64]()
+            latency[dtype, record, fold_previous, 4, False, 1]()
+            latency[dtype, record, fold_previous, 4, True, 1]()
+            latency[dtype, record, fold_previous, 2, False, 8]()

@@ -18,6 +18,9 @@ from gdfold_max import kernels_path, reference, state_fold
 from gdfold_max.cases import FoldCase, random_fold_case
 
 DEVICES = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
+#: (table, entry) pairs that uint32 cannot hold: each wraps onto row or ring row 0 or 1
+#: when cast, except -1, which wraps to 2**32 - 1.
+IDS_PAST_UINT32 = [("row_ids", 2**32 + 1), ("ring_row_ids", 2**32), ("row_ids", -1), ("ring_row_ids", -(2**32) + 1)]
 
 
 @cache
@@ -81,8 +84,7 @@ def test_a_count_past_uint32_is_not_wrapped(device: str) -> None:
     assert_bits_equal(run(device, c.row_ids, c.ring_row_ids, counts), want)
 
 
-@pytest.mark.parametrize(("table", "value"), [("row_ids", 2**32 + 1), ("ring_row_ids", 2**32), ("row_ids", -1),
-                                              ("ring_row_ids", -(2**32) + 1)])
+@pytest.mark.parametrize(("table", "value"), IDS_PAST_UINT32)
 def test_cpu_refuses_an_id_past_uint32_before_writing(table: str, value: int) -> None:
     c = case()
     tables = {"row_ids": c.row_ids.astype(np.int64), "ring_row_ids": c.ring_row_ids.astype(np.int64)}
@@ -96,10 +98,9 @@ def test_cpu_refuses_an_id_past_uint32_before_writing(table: str, value: int) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("table", "value"), [("row_ids", 2**32 + 1), ("ring_row_ids", 2**32), ("row_ids", -1),
-                                              ("ring_row_ids", -(2**32) + 1)])
+@pytest.mark.parametrize(("table", "value"), IDS_PAST_UINT32)
 def test_gpu_skips_an_id_past_uint32(table: str, value: int) -> None:
-    """Row 1 (or ring row 1) is a real row of another pair: wrapping would fold it twice."""
+    """Wrapped, the entry would name row (or ring row) 0 or 1: another pair's, or a spare row."""
     c = case()
     tables = {"row_ids": c.row_ids.astype(np.int64), "ring_row_ids": c.ring_row_ids.astype(np.int64)}
     tables[table][1, 3] = value

@@ -30,7 +30,7 @@ GROUPS: dict[str, tuple[list[str], str]] = {
               "test_sharded.py", "test_bench_shards.py"], "loadfile"),
     "window": (["test_window_cpu_gpu.py", "test_window_channel.py", "test_window_max_parity.py",
                 "test_window_channel_max_parity.py"], "load"),
-    "range": (["test_supported_range.py"], "load"),
+    "range": (["test_range_fold.py", "test_range_verify.py", "test_range_forward.py"], "load"),
     "max-layers": (["test_integration_max_qwen3_5.py", "test_integration_max_qwen3_5_devices.py",
                     "test_integration_max_qwen3_5_pipeline.py"], "loadfile"),
     "max-decoding": (["test_integration_max_qwen3_5_decoding.py"], "loadfile"),

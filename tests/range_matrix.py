@@ -1,15 +1,14 @@
-"""The supported range, swept: every op (fold, verify, verify with fold on load, forward)
-bit for bit against the numpy reference, on the CPU and on every GPU kernel path, over a
-covering set of static shapes (``RANGE``): K and V from 8 to 256 (equal and unequal, odd
-multiples of 8 among them), RING_LEN 1, 2, middle values and 16, G = 1, 2 and 3, fp32 and
-bf16 pools, head and per-channel gates.
+"""The supported range, for the range tests (test_range_fold.py, test_range_verify.py,
+test_range_forward.py): a covering set of static shapes (``RANGE``), K and V from 8 to 256
+(equal and unequal, odd multiples of 8 among them), RING_LEN 1, 2, middle values and 16,
+G = 1, 2 and 3, fp32 and bf16 pools, head and per-channel gates; the cases each point runs;
+and ``run_many``, which compiles one graph holding one op of every point.
 
 Every point runs full windows and accepted counts of 0, 1, RING_LEN and RING_LEN + 1, and
 a fold with every record of every request accepted: the count that once outnumbered the
-threads of a small fold block (K = V = 8 to 40 at long rings).
-
-A graph's compile costs more than the kernels in it, so each test puts one op of every
-point into one graph (``run_many``) and names every point that differs.
+threads of a small fold block (K = V = 8 to 40 at long rings). A graph's compile costs
+more than the kernels in it, so each test compiles one graph and names each point whose
+bits differ. The tests are three files so that workers share them.
 """
 
 from __future__ import annotations
@@ -190,20 +189,6 @@ def window_call(case: WindowCase, kind: str, path: str) -> Call:
     return Call(operands, written, add, True)
 
 
-@pytest.mark.parametrize("target", DEVICES)
-def test_fold(target: tuple[str, str]) -> None:
-    device, _ = target
-    calls, names = [], []
-    for point in RANGE:
-        for i, case in enumerate(fold_cases(point)):
-            calls.append(fold_call(case, point.gate))
-            names.append((point, i, case))
-    failures = []
-    for (point, i, case), (_, (pool, _)) in zip(names, run_many(device, f"range_fold_{device}", calls), strict=True):
-        failures += differences(f"{point}, fold {i} (counts {case.num_accepted.tolist()})", pool, case.state_out)
-    assert not failures, "\n".join(failures)
-
-
 def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:
     """The reference's readout, pool (and ring) for the point's window case."""
     if kind == "forward":
@@ -215,10 +200,9 @@ def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:
     return window_case(point, 22).run_verify(reference.verify_ring, fold_on_load=kind == "fold_on_load")
 
 
-@pytest.mark.parametrize("kind", ["verify", "fold_on_load", "forward"])
-@pytest.mark.parametrize("target", [CPU_TARGET, *GPU_TARGETS])
-def test_window_op(target: tuple[str, str], kind: str) -> None:
-    device, path = target
+def check_window_op(device: str, path: str, kind: str) -> None:
+    """Runs ``kind`` (verify, fold_on_load or forward) on ``path`` for every point that
+    has it, in one graph, against the reference."""
     covered = [p for p in RANGE if on_path(p, device, path)]
     calls = [window_call(window_case(p, 23 if kind == "forward" else 22), kind, path) for p in covered]
     failures = []

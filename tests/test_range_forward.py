@@ -1,0 +1,15 @@
+"""The forward over the supported range (range_matrix.RANGE), on the
+CPU and on each GPU kernel path that has the point's gate, bit for bit against the
+reference: readout, pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from range_matrix import CPU_TARGET, GPU_TARGETS, check_window_op
+
+
+@pytest.mark.parametrize("kind", ["forward"])
+@pytest.mark.parametrize("target", [CPU_TARGET, *GPU_TARGETS])
+def test_window_op(target: tuple[str, str], kind: str) -> None:
+    check_window_op(*target, kind)

@@ -48,6 +48,17 @@ class FoldCase:
         """A fresh copy of the pool, and the ring and tables, ready to fold."""
         return self.state_in.copy(), self.ring, self.row_ids, self.ring_row_ids, self.num_accepted
 
+    def state_out_skipping(self, skipped: set[tuple[int, int]]) -> NDArray:
+        """The reference fold of ``state_in`` with the (layer, request) pairs of ``skipped``
+        left out, as a GPU kernel leaves a pair whose id it does not follow."""
+        state = self.state_in.copy()
+        for layer in range(self.row_ids.shape[0]):
+            counts = self.num_accepted.copy()
+            counts[[b for (skipped_layer, b) in skipped if skipped_layer == layer]] = 0
+            reference.fold(state, self.ring, self.row_ids[layer : layer + 1], self.ring_row_ids[layer : layer + 1],
+                           counts, gate=self.meta.get("gate", "head"))
+        return state
+
     def save(self, path: str | Path) -> None:
         """Writes the case in the recorded-case format (``np.load`` fields)."""
         arrays: dict[str, Any] = {

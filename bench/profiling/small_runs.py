@@ -1,5 +1,6 @@
 """Small eager runs of every GPU kernel path, each checked bit for bit against the numpy
-reference: the fold (fp32 and bf16 pools), the verify, the verify with fold on load and
+reference: the fold (fp32 and bf16 pools, and heads as small as K = V = 8 with 16
+records), the verify, the verify with fold on load and
 the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN and an empty
 one), on the three GPU window kernels (the latency, throughput and walking kernels, each
 forced), the throughput kernel with claimed units (more units than resident blocks
@@ -45,6 +46,18 @@ def run_folds(gate: Gate) -> None:
         fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu",
              gate=gate)
         same_bits(state, case.state_out, f"fold, {dtype} pool, {gate} gates")
+    # The smallest heads give blocks of fewer threads than records (K = V = 8: 2 threads in
+    # bf16), and K = V = 40 a tile of 8 rows: every record's decay must still be staged.
+    for key_dim, ring_len in ((8, 16), (40, 16)):
+        for dtype in ("float32", "bfloat16"):
+            case = random_fold_case(2, layers=2, batch=4, key_dim=key_dim, value_dim=key_dim,
+                                    ring_len=ring_len, state_dtype=dtype, gate=gate,
+                                    num_accepted=[ring_len, ring_len - 1, 1, ring_len])
+            state = case.state_in.copy()
+            fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu",
+                 gate=gate)
+            same_bits(state, case.state_out, f"fold, K = V = {key_dim}, RING_LEN {ring_len}, {dtype} pool, "
+                      f"{gate} gates")
 
 
 def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:

@@ -185,7 +185,7 @@ def compiled_graphs() -> dict[tuple[str, str], Model]:
     """Every graph, built one after another into one module (``patched`` swaps module
     names while a graph is built) and compiled in one call: the six graphs share their
     kernels, which one compile builds once. Compiled one by one, each took 72 to 119 s on
-    the H200's host (bench/results/decoding-tests-h200-2026-12-04-cut-short.txt). Every
+    the H200's host (bench/results/decoding-tests-h200-2026-12-04-cut-short.txt at bc6af9b). Every
     model loads the same weights under the same names, so one registry serves them all."""
     session = InferenceSession(devices=[Accelerator()])
     module = GraphModule()

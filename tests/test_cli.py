@@ -102,6 +102,28 @@ def test_bench_step_refuses_an_unknown_gpu_path() -> None:
     assert "--gpu-path" in result.output and "fast" in result.output
 
 
+@pytest.mark.parametrize("window", ["0", "17"])
+def test_bench_step_refuses_a_window_outside_the_ring(window: str) -> None:
+    result = runner.invoke(app, ["bench-step", "--device", "cpu", "--window", window, "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--window" in result.output and f"{window} is not in 1 to 16" in result.output
+
+
+def test_bench_step_times_max_s_verify_only_at_its_compiled_ring_lengths() -> None:
+    """MAX 26.7 compiles its ring kernels for RING_LEN 2, 4 and 8; its forward (the plain
+    decoding op) runs at every window; no MAX op on the CPU."""
+    from gdfold_max.bench.step import step_variants
+
+    assert step_variants("head", 4, on_gpu=True) == ("max", "max-forward", "ours", "fused", "forward")
+    for window in (1, 3, 16):
+        assert step_variants("head", window, on_gpu=True) == ("max-forward", "ours", "fused", "forward")
+    assert step_variants("head", 8, on_gpu=False) == ("ours", "fused", "forward")
+    assert step_variants("channel", 1, on_gpu=True) == ("kda", "ours", "fused", "forward")
+    assert step_variants("channel", 16, on_gpu=False) == ("ours", "fused", "forward")
+    with pytest.raises(ValueError, match="window: 17 is not in 1 to 16"):
+        step_variants("head", 17, on_gpu=True)
+
+
 def test_benchmark_shapes_per_gate() -> None:
     from gdfold_max.bench.harness import FoldShape
 

@@ -198,7 +198,8 @@ def bench_step(
     gpu_path: Annotated[str, typer.Option(
         help="Our window kernel on the GPU: auto (picked per launch), latency, throughput or walk.")] = "auto",
     device: Annotated[Target, typer.Option(
-        help="gpu: MAX's ops, ours, ours fused, our forward, and FLA where torch and fla import;"
+        help="gpu: MAX's ops (its verify and fold, its forward), ours, ours fused, our forward, and FLA where"
+             " torch and fla import;"
              " cpu: ours, ours fused, our forward.")] = (
         Target.gpu
     ),
@@ -208,12 +209,15 @@ def bench_step(
     replay: Annotated[bool, typer.Option(
         help="GPU: time captured device graphs (as MAX's pipelines decode); --no-replay times execute().")] = True,
     gate: Annotated[GateName, typer.Option(help=GATE_HELP)] = GateName.head,
+    window: Annotated[int, typer.Option(
+        help="Tokens each request verifies (RING_LEN): 1 is plain decoding, 8 a DFlash2 block, 16 the longest"
+             " ring.")] = 4,
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
 
     from .bench.harness import FoldShape, write_json
-    from .bench.step import render_steps, run_step_bench
+    from .bench.step import WINDOWS, render_steps, run_step_bench
     from .ops.window import GPU_PATHS, WindowTiling
 
     dtype_list = _state_dtypes(dtypes)
@@ -228,9 +232,11 @@ def bench_step(
                             "gpu_path": gpu_path}
     if rounds < 1:
         raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
+    if window not in WINDOWS:
+        raise typer.BadParameter(f"{window} is not in 1 to {WINDOWS[-1]}", param_hint="--window")
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,
                           console=console, replay=replay, shape=FoldShape.for_gate(gate.value),
-                          device=CPU() if device == Target.cpu else None)
+                          device=CPU() if device == Target.cpu else None, window=window)
     render_steps(rows, console)
     write_json(rows, str(json_out))
     console.print(f"wrote {json_out}")

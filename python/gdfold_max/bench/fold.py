@@ -21,7 +21,15 @@ from rich.console import Console
 
 from ..ops.fold import state_fold
 from ..ops.kernels import kernels_path
-from .harness import ChainedGraphs, FoldShape, best_seconds, render_rows, sweep, times
+from .harness import (
+    ChainedGraphs,
+    FoldShape,
+    device_copy_tb_s,
+    numpy_copy_tb_s,
+    render_rows,
+    sweep,
+    times,
+)
 
 #: GPU tiling keywords of :func:`state_fold` (``key_dim_tile``, ``rows_per_thread``).
 Tiling: TypeAlias = dict[str, int] | None
@@ -95,26 +103,6 @@ def make_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DTy
     accepted = np.full(batch, s.accepted, np.uint32)
     tables = [Buffer.from_numpy(t) for t in (ids, rng.permutation(ids.reshape(-1)).reshape(ids.shape), accepted)]
     return [state, ring.to(device), *[t.to(device) for t in tables]]
-
-
-def device_copy_tb_s(device: Device, nbytes: int, repeats: int) -> float:
-    """Read+write bandwidth of a device-to-device copy of ``nbytes``."""
-    count = nbytes // 4
-    src = Buffer.zeros([count], DType.float32, device)
-    dst = Buffer.zeros([count], DType.float32, device)
-
-    def run() -> None:
-        dst.inplace_copy_from(src)
-        device.synchronize()
-
-    return 2 * count * 4 / best_seconds(run, repeats) / 1e12
-
-
-def numpy_copy_tb_s(nbytes: int, repeats: int) -> float:
-    """Read+write bandwidth of a numpy copy of ``nbytes`` on the host."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    return 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src), repeats) / 1e12
 
 
 def _tb_s(nbytes: int, seconds: float) -> float:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from max.driver import Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
@@ -85,6 +86,26 @@ def best_seconds(run: Callable[[], None], repeats: int) -> float:
         best = min(best, time.perf_counter() - start)
     return best
 
+
+
+def device_copy_tb_s(device: Device, nbytes: int, repeats: int) -> float:
+    """Read+write bandwidth of a device-to-device copy of ``nbytes``."""
+    count = nbytes // 4
+    src = Buffer.zeros([count], DType.float32, device)
+    dst = Buffer.zeros([count], DType.float32, device)
+
+    def run() -> None:
+        dst.inplace_copy_from(src)
+        device.synchronize()
+
+    return 2 * count * 4 / best_seconds(run, repeats) / 1e12
+
+
+def numpy_copy_tb_s(nbytes: int, repeats: int) -> float:
+    """Read+write bandwidth of a numpy copy of ``nbytes`` on the host."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src), repeats) / 1e12
 
 def per_link_from(time_of: Callable[[int], float], chain: int) -> float:
     """The time of one link from ``time_of(n)``, the time of n links: (t_R - t_1) / (R - 1)

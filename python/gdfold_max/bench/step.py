@@ -4,6 +4,9 @@ one process.
 * ``max``: MAX's ``gated_delta_recurrence_verify_ring_fwd`` for every layer, then MAX's
   ``gated_delta_state_fold`` for all layers (the verify reads the state, the fold reads
   and writes it: three passes over the state).
+* ``max-forward``: MAX's ``gated_delta_recurrence_fwd`` for every layer: the forward
+  MAX's Qwen3.5 layer runs on a plain decoding step (a window of one token), the
+  anchor for ``forward``.
 * ``ours``: our ``verify_ring`` for every layer, then our ``state_fold`` (three passes).
 * ``fused``: our ``verify_ring`` with fold on load for every layer: the previous step's
   accepted records are applied as the state loads, so the state is read and written
@@ -22,12 +25,19 @@ one process.
 Timing as ``bench.harness`` says: per step (t_R - t_1) / (R - 1), best of ``repeats``,
 every variant in turn for ``rounds`` rounds, the median kept and the per-round ratios'
 spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours``,
-``fused`` and ``forward`` run. Shapes default to Qwen3-Next-80B's gated-delta layers, a window of
-RING_LEN tokens per request and RING_LEN - 1 records accepted.
+``fused`` and ``forward`` run. Shapes default to Qwen3-Next-80B's gated-delta layers. Every
+request verifies a window of W tokens (``window``: 1 is plain decoding, 8 a block of MAX's
+DFlash2 drafter, 16 our longest ring) into a ring of RING_LEN = W records, and W - 1 of the
+previous step's records are accepted. MAX's verify and fold run only where its ring
+kernels are compiled for RING_LEN (:data:`MAX_RING_LENS`).
+
+Beside each row stands the state's bytes floor: the state read and written once, at the
+bandwidth of the device's own copy of a large buffer (a numpy copy on the CPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,20 +57,51 @@ from rich.console import Console
 from ..ops.fold import state_fold
 from ..ops.kernels import kernels_path
 from ..ops.window import WindowTiling, recurrence, verify_ring
-from .harness import ChainedGraphs, FoldShape, measure_rounds, ratio, render_rows, sweep, times
+from .harness import (
+    ChainedGraphs,
+    FoldShape,
+    device_copy_tb_s,
+    measure_rounds,
+    numpy_copy_tb_s,
+    ratio,
+    render_rows,
+    sweep,
+    times,
+)
 
 if TYPE_CHECKING:
     from .fla import FlaSteps
 
 #: The graph variants with one decay per head (FLA runs through torch, beside them).
-VARIANTS = ("max", "ours", "fused", "forward")
+VARIANTS = ("max", "max-forward", "ours", "fused", "forward")
 #: The graph variants with per-channel gates on a GPU: MAX's KDA decode is the anchor.
 CHANNEL_VARIANTS = ("kda", "ours", "fused", "forward")
 
 
 #: Passes over the state each variant makes, so the bytes it must move: a count from
 #: the design, not a measurement.
-STATE_PASSES = {"max": 3, "ours": 3, "fused": 2, "forward": 2, "fla": 2, "kda": 2}
+STATE_PASSES = {"max": 3, "max-forward": 2, "ours": 3, "fused": 2, "forward": 2, "fla": 2, "kda": 2}
+
+#: The ring lengths MAX 26.7's ring kernels are compiled for (``COMPILED_RING_LENS`` in
+#: ``max.pipelines.architectures.qwen3_5.state_cache``): its verify and fold run at no other.
+MAX_RING_LENS = (2, 4, 8)
+#: The window widths the benchmark takes: our ring holds 1 to 16 records.
+WINDOWS = range(1, 17)
+#: Bytes of the buffer whose device copy gives the floor's bandwidth: large enough that a
+#: launch and a synchronisation do not count.
+FLOOR_COPY_BYTES = 1 << 30
+
+
+def step_variants(gate: str, window: int, on_gpu: bool) -> tuple[str, ...]:
+    """The graph variants timed for ``gate`` at ``window`` tokens per request: MAX's ops
+    only on a GPU, and its verify and fold only at a ring length they are compiled for."""
+    if window not in WINDOWS:
+        raise ValueError(f"window: {window} is not in 1 to {WINDOWS[-1]}")
+    if gate == "channel":
+        return CHANNEL_VARIANTS if on_gpu else tuple(v for v in CHANNEL_VARIANTS if v != "kda")
+    if not on_gpu:
+        return tuple(v for v in VARIANTS if not v.startswith("max"))
+    return tuple(v for v in VARIANTS if v != "max" or window in MAX_RING_LENS)
 
 
 @dataclass
@@ -70,6 +111,8 @@ class StepRow:
     variant: str
     state_dtype: str
     batch: int
+    #: Tokens per request (RING_LEN).
+    window: int
     #: Median over the rounds.
     step_us: float
     rounds: int
@@ -78,12 +121,19 @@ class StepRow:
     #: MAX's time over this variant's, medians (NaN where MAX's ops did not run: the CPU).
     #: MAX's verify + fold with one decay per head; its KDA decode with per-channel gates.
     vs_max: float
+    #: MAX's forward (``max-forward``) time over this variant's, medians (NaN where it did
+    #: not run).
+    vs_max_forward: float
     #: ``ours`` time over this variant's, medians.
     vs_ours: float
     #: FLA's time over this variant's, medians (NaN where FLA did not run).
     vs_fla: float
     #: The smallest and largest per-round ``ours`` over this variant.
     vs_ours_range: tuple[float, float]
+    #: The state read and written once at the copy bandwidth, µs: no step can be faster.
+    floor_us: float
+    #: This variant's time over the floor.
+    over_floor: float
 
 
 class StepGraphs(ChainedGraphs):
@@ -136,6 +186,11 @@ class StepGraphs(ChainedGraphs):
                 readout = gated_delta_recurrence_verify_ring_fwd(qkv, decay, beta, pool, ring, rows[layer],
                                                                  ring_rows[layer], offsets, width)
             gated_delta_state_fold(pool, ring, rows, ring_rows, accepted, width)
+        elif variant == "max-forward":
+            from max.nn.state_space import gated_delta_recurrence_fwd
+
+            for layer in range(s.num_layers):
+                readout = gated_delta_recurrence_fwd(qkv, decay, beta, pool, rows[layer], offsets)
         elif variant == "kda":
             readout = self._max_kda_forward(qkv, decay, beta, pool, rows, offsets)
         elif variant == "ours":
@@ -270,13 +325,19 @@ def run_step_bench(
     device: Device | None = None,
     with_fla: bool = True,
     replay: bool = True,
+    window: int | None = None,
 ) -> list[StepRow]:
     """Measures the variants for every (dtype, batch) on ``device`` (default: the GPU)
     and returns the rows: MAX's, ours, fused (and FLA's where it imports) on a GPU,
     ours and fused on the CPU. On a GPU with ``replay`` (the default) every graph runs as
     a captured device graph, as MAX's pipelines run decoding steps and as FLA's CUDA
-    graphs run: what is timed is the GPU's work, not the host's launches."""
+    graphs run: what is timed is the GPU's work, not the host's launches. ``window``
+    (default: ``shape.ring_len``) sets the tokens per request and RING_LEN."""
     shape = shape or FoldShape()
+    batches = list(batches)
+    if window is not None:
+        step_variants(shape.gate, window, False)  # refuses a window outside 1 to 16
+        shape = dataclasses.replace(shape, ring_len=window, accepted=window - 1)
     console = console or Console()
     device = device or Accelerator()
     on_gpu = device.label != "cpu"
@@ -285,8 +346,10 @@ def run_step_bench(
     # with per-channel gates MAX's KDA decode is the anchor.
     with_anchors = on_gpu and shape.gate == "head"
     anchor = "max" if shape.gate == "head" else "kda"
-    all_variants = VARIANTS if shape.gate == "head" else CHANNEL_VARIANTS
-    graph_variants = all_variants if on_gpu else tuple(v for v in all_variants if v != anchor)
+    graph_variants = step_variants(shape.gate, shape.ring_len, on_gpu)
+    if on_gpu and shape.gate == "head" and "max" not in graph_variants:
+        console.print(f"MAX's verify and fold are not timed: its ring kernels are compiled for RING_LEN in"
+                      f" {MAX_RING_LENS}, not {shape.ring_len}")
     fla: FlaSteps | None = None
     if with_anchors and with_fla:
         from .fla import FlaSteps, fla_missing
@@ -303,8 +366,12 @@ def run_step_bench(
     graphs.compile_all(graph_variants, dtypes, chained=not replay)
     console.print(f"compiled in {time.perf_counter() - started:.0f} s")
     variants = [*graph_variants, *(["fla"] if fla is not None else [])]
+    largest = max(shape.state_bytes(max(batches), d) for d in dtypes)
+    copy_tb_s = (device_copy_tb_s(device, max(FLOOR_COPY_BYTES, largest), repeats) if on_gpu
+                 else numpy_copy_tb_s(largest, repeats))
+    console.print(f"copy bandwidth, the floor's: {copy_tb_s:.3f} TB/s (read + write)")
     rows: list[StepRow] = []
-    for state_dtype, batch in sweep(dtypes, list(batches), console, "step"):
+    for state_dtype, batch in sweep(dtypes, batches, console, "step"):
         operands = make_step_operands(device, shape, batch, state_dtype)
         timers: dict[str, Callable[[], float]] = {
             v: partial(graphs.per_step_seconds, v, state_dtype, operands, repeats, replay) for v in graph_variants}
@@ -318,18 +385,23 @@ def run_step_bench(
         for variant in variants:
             seconds = measured.median(variant)
             moved = STATE_PASSES[variant] * shape.state_bytes(batch, state_dtype)
+            floor = 2 * shape.state_bytes(batch, state_dtype) / (copy_tb_s * 1e12)
             rows.append(StepRow(
                 variant=variant,
                 state_dtype=state_dtype.name,
                 batch=batch,
+                window=shape.ring_len,
                 step_us=seconds * 1e6,
                 rounds=rounds,
                 state_gb=moved / 1e9,
                 state_tb_s=moved / seconds / 1e12 if seconds > 0 else float("nan"),
                 vs_max=ratio(measured.median(anchor), seconds),
+                vs_max_forward=ratio(measured.median("max-forward"), seconds),
                 vs_ours=ratio(measured.median("ours"), seconds),
                 vs_fla=ratio(measured.median("fla"), seconds),
                 vs_ours_range=measured.ratio_range("ours", variant),
+                floor_us=floor * 1e6,
+                over_floor=ratio(seconds, floor),
             ))
         del operands, timers
     return rows
@@ -341,13 +413,18 @@ def render_steps(rows: Sequence[StepRow], console: Console) -> None:
     columns: list[tuple[str, Callable[[StepRow], str]]] = [
         ("variant", lambda r: r.variant),
         ("dtype", lambda r: r.state_dtype),
+        ("window", lambda r: str(r.window)),
         ("batch", lambda r: str(r.batch)),
         ("step µs", lambda r: f"{r.step_us:.1f}"),
+        ("floor µs", lambda r: f"{r.floor_us:.1f}"),
+        ("over floor", lambda r: times(r.over_floor)),
         ("state GB moved", lambda r: f"{r.state_gb:.2f}"),
         ("state TB/s", lambda r: f"{r.state_tb_s:.3f}"),
     ]
     if any(not np.isnan(r.vs_max) for r in rows):
         columns.append(("vs MAX", lambda r: times(r.vs_max)))
+    if any(not np.isnan(r.vs_max_forward) for r in rows):
+        columns.append(("vs MAX forward", lambda r: times(r.vs_max_forward)))
     if any(not np.isnan(r.vs_fla) for r in rows):
         columns.append(("vs FLA", lambda r: times(r.vs_fla)))
     columns.append(("vs ours", lambda r: times(r.vs_ours)))

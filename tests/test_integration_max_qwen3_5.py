@@ -10,6 +10,7 @@ ours.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,15 @@ pytest.importorskip("max.pipelines.architectures.unified_mtp_qwen3_5.state_rollb
 from max.driver import CPU, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
 from max.engine import InferenceSession  # noqa: E402
-from max.graph import BufferType, DeviceRef, Graph, TensorType, default_custom_extensions, ops  # noqa: E402
+from max.graph import (  # noqa: E402
+    BufferType,
+    DeviceRef,
+    Graph,
+    TensorType,
+    TensorValue,
+    default_custom_extensions,
+    ops,
+)
 from max.nn.state_space import gated_delta_state_fold, verify_width_operand  # noqa: E402
 from max.pipelines.architectures.qwen3_5.layers import gated_deltanet  # noqa: E402
 from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # noqa: E402
@@ -32,6 +41,8 @@ from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 
 HOST = DeviceRef.CPU()
 MAX_VERIFY = gated_deltanet.gated_delta_recurrence_verify_ring_fwd
+MAX_FORWARD = gated_deltanet.gated_delta_recurrence_fwd
+NONE_ROUTED = {"fold": False, "verify": False, "forward": False}
 
 
 def test_patched_routes_the_fold_and_restores_max_on_exit() -> None:
@@ -39,38 +50,47 @@ def test_patched_routes_the_fold_and_restores_max_on_exit() -> None:
     with max_qwen3_5.patched():
         assert state_rollback.gated_delta_state_fold is state_fold
         assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
-        assert max_qwen3_5.installed() == {"fold": True, "verify": False}
+        assert max_qwen3_5.installed() == {"fold": True, "verify": False, "forward": False}
         assert kernels_path() in default_custom_extensions()
         with max_qwen3_5.patched(verify=True):
             assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is max_qwen3_5.verify_like_max
+            assert gated_deltanet.gated_delta_recurrence_fwd is MAX_FORWARD
+            with max_qwen3_5.patched(forward=True):
+                assert gated_deltanet.gated_delta_recurrence_fwd is max_qwen3_5.forward_like_max
+                assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+                assert max_qwen3_5.installed() == {"fold": True, "verify": False, "forward": True}
+            assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is max_qwen3_5.verify_like_max
+            assert gated_deltanet.gated_delta_recurrence_fwd is MAX_FORWARD
         assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
         assert state_rollback.gated_delta_state_fold is state_fold
         assert kernels_path() in default_custom_extensions()  # the outer block's, still
     assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
-    assert max_qwen3_5.installed() == {"fold": False, "verify": False}
+    assert max_qwen3_5.installed() == NONE_ROUTED
     assert kernels_path() not in default_custom_extensions()
 
 
 def test_names_are_restored_after_an_exception() -> None:
-    with pytest.raises(RuntimeError, match="inside"), max_qwen3_5.patched(verify=True):
+    with pytest.raises(RuntimeError, match="inside"), max_qwen3_5.patched(verify=True, forward=True):
         raise RuntimeError("inside")
     assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
     assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+    assert gated_deltanet.gated_delta_recurrence_fwd is MAX_FORWARD
     assert kernels_path() not in default_custom_extensions()
 
 
 def test_install_and_uninstall() -> None:
     try:
-        max_qwen3_5.install(verify=True)
-        assert max_qwen3_5.installed() == {"fold": True, "verify": True}
+        max_qwen3_5.install(verify=True, forward=True)
+        assert max_qwen3_5.installed() == {"fold": True, "verify": True, "forward": True}
         max_qwen3_5.install()
-        assert max_qwen3_5.installed() == {"fold": True, "verify": False}
+        assert max_qwen3_5.installed() == {"fold": True, "verify": False, "forward": False}
         assert gated_deltanet.gated_delta_recurrence_verify_ring_fwd is MAX_VERIFY
+        assert gated_deltanet.gated_delta_recurrence_fwd is MAX_FORWARD
         assert default_custom_extensions().count(kernels_path()) == 1
     finally:
         max_qwen3_5.uninstall()
     assert state_rollback.gated_delta_state_fold is gated_delta_state_fold
-    assert max_qwen3_5.installed() == {"fold": False, "verify": False}
+    assert max_qwen3_5.installed() == NONE_ROUTED
     assert kernels_path() not in default_custom_extensions()
 
 
@@ -312,3 +332,98 @@ def _distance(ours: np.ndarray, theirs: np.ndarray) -> str:
     a, b = ours.astype(np.float64), theirs.astype(np.float64)
     same = float(np.mean(bits(ours) == bits(theirs)))
     return f"max relative difference {np.max(np.abs(a - b)) / np.max(np.abs(b)):.2e}, {100 * same:.1f}% bit-equal"
+
+
+# ---- GPU: MAX's layer on plain steps (no verify), its forward routed to ours -------------
+
+#: Tokens per request of each plain step: a prefill of a window, then three decoding steps.
+PLAIN_STEPS = (WINDOW, 1, 1, 1)
+
+
+def _plain_graph(dtype: DType, where: DeviceRef, routed: bool) -> tuple[Graph, object]:
+    """MAX's layer on a plain step, ``gated_delta_recurrence_fwd`` routed to ours under
+    ``patched(forward=True)`` when ``routed``. The graph also returns what the layer hands
+    the forward (qkv, decays, betas) and the forward's readout, so the test can run the
+    reference on exactly those."""
+    layer: Any = _layer(dtype, where, gated_deltanet.GatedDeltaNet)
+    conv_dim = 2 * NK * HEAD + NV * HEAD
+    u32 = DType.uint32
+    inputs = [TensorType(dtype, ["T", HIDDEN], where), BufferType(dtype, ["crows", conv_dim, CONV - 1], where),
+              BufferType(dtype, ["rows", NV, HEAD, HEAD], where), TensorType(u32, ["B"], where),
+              TensorType(u32, ["B1"], where)]
+    seen: list[TensorValue] = []
+    with Graph(f"gdn_plain_{routed}_{dtype.name}", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        x, conv, pool, rows, offsets = graph.inputs
+        with max_qwen3_5.patched(forward=True) if routed else nullcontext():
+            forward = gated_deltanet.gated_delta_recurrence_fwd
+
+            def spy(**operands: Any) -> TensorValue:
+                readout = forward(**operands)
+                seen.extend([operands["qkv_conv_output"], operands["decay_per_token"], operands["beta_per_token"],
+                             readout])
+                return readout
+
+            gated_deltanet.gated_delta_recurrence_fwd = spy
+            try:
+                out = layer(x.tensor, conv.buffer, rows.tensor, pool.buffer, rows.tensor, offsets.tensor)
+            finally:
+                gated_deltanet.gated_delta_recurrence_fwd = forward
+        assert len(seen) == 4, "the layer's plain step did not call gated_delta_recurrence_fwd (an SM100 prefill?)"
+        graph.output(out, *seen)
+    return graph, layer
+
+
+def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray, int]:
+    """The plain steps through the layer on the GPU from one starting pool. Returns each
+    step's layer output and the last pool; with ``routed``, checks every step's forward
+    readout and pool against the reference forward on the operands the layer gave it,
+    bit for bit, and returns how many steps it checked."""
+    import ml_dtypes
+    from max.driver import Accelerator
+
+    from gdfold_max.eager.base import copy_back, host_buffer
+
+    gpu = Accelerator()
+    graph, layer = _plain_graph(dtype, DeviceRef.GPU(), routed)
+    model = InferenceSession(devices=[gpu]).load(graph, weights_registry=layer.state_dict())  # type: ignore[attr-defined]
+    np_dtype = np.float32 if dtype == DType.float32 else ml_dtypes.bfloat16
+    rng = np.random.default_rng(54)
+    conv_dim = 2 * NK * HEAD + NV * HEAD
+    conv = (0.1 * rng.standard_normal((BATCH, conv_dim, CONV - 1))).astype(np_dtype)
+    pool = (0.1 * rng.standard_normal((BATCH, NV, HEAD, HEAD))).astype(np_dtype)
+    up = [host_buffer(a).to(gpu) for a in (conv, pool)]
+    rows = np.arange(BATCH, dtype=np.uint32)
+    outputs, checked = [], 0
+    for tokens in PLAIN_STEPS:
+        offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
+        x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
+        want_pool = pool.copy()
+        out, qkv, decay, beta, readout = model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu),
+                                                       Buffer.from_numpy(offsets).to(gpu))
+        host = np.empty((BATCH * tokens, HIDDEN), np_dtype)
+        copy_back(out, host)
+        outputs.append(host)
+        copy_back(up[1], pool)
+        if routed:
+            want = reference.recurrence_fwd(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows,
+                                            offsets, num_key_heads=NK)
+            assert_bits_equal(readout.to_numpy(), want, f"{tokens}-token step: the forward's readout")
+            assert_bits_equal(pool, want_pool, f"{tokens}-token step: pool")
+            checked += 1
+    return outputs, pool, checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=["fp32", "bf16"])
+def test_max_plain_steps_under_patched_forward_run_our_forward_exactly(dtype: DType) -> None:
+    """MAX's layer on a prefill and three decoding steps with ``patched(forward=True)``:
+    every step's forward readout and pool equal the reference forward over the operands
+    the layer gave it, bit for bit. Beside MAX's own forward the layer outputs and the
+    pool differ by the order of the sums over K, which MAX does not document; the
+    distance is printed."""
+    ours, our_pool, checked = _run_plain(dtype, routed=True)
+    assert checked == len(PLAIN_STEPS)
+    theirs, their_pool, _ = _run_plain(dtype, routed=False)
+    for tokens, a, b in zip(PLAIN_STEPS, ours, theirs, strict=True):
+        print(f"[{dtype.name}] {tokens}-token step: layer output beside MAX's: {_distance(a, b)}")
+    print(f"[{dtype.name}] pool after the steps beside MAX's: {_distance(our_pool, their_pool)}")

@@ -12,7 +12,10 @@ are imported, so switching means rebinding the names there.
   it also runs on the CPU, where MAX's has no kernel. With ``verify=True`` the layers'
   verify runs :func:`gdfold_max.verify_ring` too: its ring records and pools are then
   those of our verify, bit for bit, and its readout differs from MAX's in the last bits
-  (our documented order of the sums over K; MAX's is not documented). While installed,
+  (our documented order of the sums over K; MAX's is not documented). With
+  ``forward=True`` the layers' plain steps (``gated_delta_recurrence_fwd``: a decoding
+  step of one token per request, and on GPUs below SM100 a prefill too) run
+  :func:`gdfold_max.recurrence`, with the same distance to MAX's. While installed,
   our kernel package is among MAX's default custom extensions
   (``max.graph.default_custom_extensions``), since MAX's pipelines build their graphs
   without naming any.
@@ -54,6 +57,8 @@ except ImportError as error:
 #: Where MAX binds each op name this module routes: (module, name).
 FOLD_SITE: tuple[ModuleType, str] = (state_rollback, "gated_delta_state_fold")
 VERIFY_SITE: tuple[ModuleType, str] = (gated_deltanet, "gated_delta_recurrence_verify_ring_fwd")
+FORWARD_SITE: tuple[ModuleType, str] = (gated_deltanet, "gated_delta_recurrence_fwd")
+SITES = {"fold": FOLD_SITE, "verify": VERIFY_SITE, "forward": FORWARD_SITE}
 
 _lock = threading.RLock()
 #: The names MAX bound, kept while one of ours stands in their place.
@@ -92,15 +97,17 @@ def _register_kernels(register: bool) -> None:
         _kernels = None
 
 
-def install(*, verify: bool = False) -> None:
+def install(*, verify: bool = False, forward: bool = False) -> None:
     """Routes MAX's Qwen3.5 fold (``fold_state_pools``, every device) to
-    :func:`gdfold_max.state_fold`, and with ``verify=True`` the Gated DeltaNet layers'
-    verify to :func:`verify_like_max`; every graph built from then on links our kernels,
-    also one built without ``custom_extensions`` as MAX's pipelines build theirs.
-    Calling it again replaces the earlier choice."""
+    :func:`gdfold_max.state_fold`, with ``verify=True`` the Gated DeltaNet layers'
+    verify to :func:`verify_like_max`, and with ``forward=True`` their plain steps to
+    :func:`forward_like_max`; every graph built from then on links our kernels, also one
+    built without ``custom_extensions`` as MAX's pipelines build theirs. Calling it again
+    replaces the earlier choice."""
     with _lock:
         _route(FOLD_SITE, state_fold)
         _route(VERIFY_SITE, verify_like_max if verify else None)
+        _route(FORWARD_SITE, forward_like_max if forward else None)
         _register_kernels(True)
 
 
@@ -108,28 +115,29 @@ def uninstall() -> None:
     """Puts MAX's own op names back, and takes our kernels out of the graphs built from
     then on."""
     with _lock:
-        _route(FOLD_SITE, None)
-        _route(VERIFY_SITE, None)
+        for site in SITES.values():
+            _route(site, None)
         _register_kernels(False)
 
 
 def installed() -> dict[str, bool]:
-    """Which of MAX's names are routed to ours now: ``{"fold": ..., "verify": ...}``."""
+    """Which of MAX's names are routed to ours now: ``{"fold": ..., "verify": ...,
+    "forward": ...}``."""
     with _lock:
-        return {"fold": _key(FOLD_SITE) in _originals, "verify": _key(VERIFY_SITE) in _originals}
+        return {what: _key(site) in _originals for what, site in SITES.items()}
 
 
 @contextmanager
-def patched(*, verify: bool = False) -> Iterator[None]:
+def patched(*, verify: bool = False, forward: bool = False) -> Iterator[None]:
     """:func:`install` for the ``with`` block; on the way out, also after an exception,
     every name is bound as it was before the block (MAX's, or an outer install's).
 
     Graphs built inside the block use our ops; a graph built and compiled before keeps
     what it was built with."""
     with _lock:
-        before = {site: getattr(site[0], site[1]) for site in (FOLD_SITE, VERIFY_SITE)}
+        before = {site: getattr(site[0], site[1]) for site in SITES.values()}
         originals = dict(_originals)
-        install(verify=verify)
+        install(verify=verify, forward=forward)
     try:
         yield
     finally:
@@ -166,6 +174,21 @@ def verify_like_max(
                            ring_slot_idx, input_row_offsets)
 
     return _by_width(verify_width, qkv_conv_output, recurrent_state, forward, record)
+
+
+def forward_like_max(
+    qkv_conv_output: TensorValue,
+    decay_per_token: TensorValue,
+    beta_per_token: TensorValue,
+    recurrent_state: BufferValue,
+    slot_idx: TensorValue,
+    input_row_offsets: TensorValue,
+) -> TensorValue:
+    """Our forward with the arguments of MAX's ``gated_delta_recurrence_fwd`` (MAX's
+    layer passes them by these names): every request's tokens run and its pool row is
+    committed."""
+    return recurrence(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, slot_idx,
+                      input_row_offsets)
 
 
 def fused_verify(previous_ring_row_id: TensorValue, previous_num_accepted: TensorValue

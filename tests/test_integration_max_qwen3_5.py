@@ -245,24 +245,30 @@ def _step_graph(dtype: DType, where: DeviceRef, variant: str) -> tuple[Graph, ob
     return graph, layer
 
 
+def _load_on_gpu(dtype: DType, graph: Graph, layer: Any, seed: int) -> tuple[Any, Any, Any, np.ndarray, np.ndarray]:
+    """The layer's graph loaded on the GPU with its weights, and a random conv window and
+    pool ``[BATCH, ...]`` of the pool dtype: (device, model, numpy dtype, conv, pool)."""
+    import ml_dtypes
+    from max.driver import Accelerator
+
+    gpu = Accelerator()
+    model = InferenceSession(devices=[gpu]).load(graph, weights_registry=layer.state_dict())
+    np_dtype = np.float32 if dtype == DType.float32 else ml_dtypes.bfloat16
+    rng = np.random.default_rng(seed)
+    conv_dim = 2 * NK * HEAD + NV * HEAD
+    conv = (0.1 * rng.standard_normal((BATCH, conv_dim, CONV - 1))).astype(np_dtype)
+    pool = (0.1 * rng.standard_normal((BATCH, NV, HEAD, HEAD))).astype(np_dtype)
+    return gpu, model, np_dtype, conv, pool
+
+
 def _run_steps(dtype: DType, variant: str, steps: list[dict[str, np.ndarray]]) -> tuple[list[np.ndarray], np.ndarray]:
     """Runs the layer's steps on the GPU from one starting pool; returns each step's
     output and the pool after the last step's rollback (for ``fused``, after one more
     fold of the last step's records, as the next verify would do on load)."""
-    import ml_dtypes
-    from max.driver import Accelerator
-
     from gdfold_max import fold
     from gdfold_max.eager.base import copy_back, host_buffer
 
-    gpu = Accelerator()
-    graph, layer = _step_graph(dtype, DeviceRef.GPU(), variant)
-    model = InferenceSession(devices=[gpu]).load(graph, weights_registry=layer.state_dict())  # type: ignore[attr-defined]
-    np_dtype = np.float32 if dtype == DType.float32 else ml_dtypes.bfloat16
-    rng = np.random.default_rng(52)
-    conv_dim = 2 * NK * HEAD + NV * HEAD
-    conv = (0.1 * rng.standard_normal((BATCH, conv_dim, CONV - 1))).astype(np_dtype)
-    pool = (0.1 * rng.standard_normal((BATCH, NV, HEAD, HEAD))).astype(np_dtype)
+    gpu, model, np_dtype, conv, pool = _load_on_gpu(dtype, *_step_graph(dtype, DeviceRef.GPU(), variant), seed=52)
     ring = np.zeros((2 * BATCH, NK, RING_LEN, STRIDE), np.float32)
     up = [host_buffer(a).to(gpu) for a in (conv, pool, ring)]
     outputs = []
@@ -378,19 +384,10 @@ def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray
     step's layer output and the last pool; with ``routed``, checks every step's forward
     readout and pool against the reference forward on the operands the layer gave it,
     bit for bit, and returns how many steps it checked."""
-    import ml_dtypes
-    from max.driver import Accelerator
-
     from gdfold_max.eager.base import copy_back, host_buffer
 
-    gpu = Accelerator()
-    graph, layer = _plain_graph(dtype, DeviceRef.GPU(), routed)
-    model = InferenceSession(devices=[gpu]).load(graph, weights_registry=layer.state_dict())  # type: ignore[attr-defined]
-    np_dtype = np.float32 if dtype == DType.float32 else ml_dtypes.bfloat16
-    rng = np.random.default_rng(54)
-    conv_dim = 2 * NK * HEAD + NV * HEAD
-    conv = (0.1 * rng.standard_normal((BATCH, conv_dim, CONV - 1))).astype(np_dtype)
-    pool = (0.1 * rng.standard_normal((BATCH, NV, HEAD, HEAD))).astype(np_dtype)
+    gpu, model, np_dtype, conv, pool = _load_on_gpu(dtype, *_plain_graph(dtype, DeviceRef.GPU(), routed), seed=54)
+    rng = np.random.default_rng(55)
     up = [host_buffer(a).to(gpu) for a in (conv, pool)]
     rows = np.arange(BATCH, dtype=np.uint32)
     outputs, checked = [], 0

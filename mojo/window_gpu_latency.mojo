@@ -24,10 +24,6 @@ one fma chain per column in the thread and three butterfly steps across the colu
 eight lanes, in the fixed order of recurrence_math.mojo. So both kernels produce the
 same bits, and the op picks between them at run time (window_launch.mojo).
 
-With `WALK_SLABS` > 1 the same warp walks that many slabs of its value head in turn
-(the walking kernel, kernels.md): the staging, the norms and the ring's keys are done
-once for all of them.
-
 With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
 value head and a record holds them (record_layout.channel_decay_offset); they are
 staged like the keys and read by the same lanes, so that state row i decays by the
@@ -35,11 +31,10 @@ i-th. Per-channel gates run on this kernel alone.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
-from max.gpu.memory import async_copy, async_copy_commit_group, async_copy_wait_all
+from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
 from std.math import fma
-from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
@@ -168,7 +163,6 @@ def windows_gpu_latency_kernel[
     FOLD_PREVIOUS: Bool,
     CV: Int,
     CHANNEL: Bool = False,
-    WALK_SLABS: Int = 1,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -190,21 +184,16 @@ def windows_gpu_latency_kernel[
     record_stride_i32: Int32,
     dependent_i32: Int32,
 ):
-    """One warp's unit: a request on WALK_SLABS neighbouring slabs of one value head,
-    taken one after another (a pass each). With one slab (the latency kernel) a unit is
-    as small as it gets; with a whole head's slabs (the walking kernel, window_launch's
-    GPU_PATH_WALK) the ids, the staged tokens and records, the norms and the ring's keys
-    are a unit's once for all its passes, while each pass's state still lives in
-    registers and the next pass's rows are copied into the warp's shared memory as the
-    current one computes."""
+    """One warp's unit: a request on one slab of SLAB value columns of one value head,
+    its state in the warp's registers from the first load to the last store."""
     comptime SLAB = latency_slab_columns[CV]()
-    comptime UNIT_COLUMNS = WALK_SLABS * SLAB
-    comptime UNITS_PER_HEAD = V // UNIT_COLUMNS
+    comptime SLABS_PER_HEAD = V // SLAB
     comptime ROWS = K // REDUCTION_LANES
     comptime CHUNK = WINDOW_CHUNK
     comptime NATURAL = natural_pitch[K]()
+    comptime ROW_BYTES = CV * size_of[state_dtype]()
     comptime Columns = SIMD[DType.float32, CV]
-    comptime assert WALK_SLABS >= 1 and V % UNIT_COLUMNS == 0, "a unit's slabs must divide V"
+    comptime assert V % SLAB == 0, "the slabs must divide V"
     comptime scale = query_scale[K]()
     var num_value_heads = Int(num_value_heads_i32)
     var num_key_heads = Int(num_key_heads_i32)
@@ -213,12 +202,12 @@ def windows_gpu_latency_kernel[
     var group_size = num_value_heads // num_key_heads
     var readout_width = num_value_heads * V
 
-    # The unit: request `request` on the slabs from column `unit_start` of value head
+    # The unit: request `request` on the slab from column `slab_start` of value head
     # `value_head`.
     var unit = Int(block_idx.x)
-    var unit_start = (unit % UNITS_PER_HEAD) * UNIT_COLUMNS
-    var value_head = (unit // UNITS_PER_HEAD) % num_value_heads
-    var request = unit // (UNITS_PER_HEAD * num_value_heads)
+    var slab_start = (unit % SLABS_PER_HEAD) * SLAB
+    var value_head = (unit // SLABS_PER_HEAD) % num_value_heads
+    var request = unit // (SLABS_PER_HEAD * num_value_heads)
     if request >= Int(batch_i32):
         return
     var key_head = value_head // group_size
@@ -233,7 +222,7 @@ def windows_gpu_latency_kernel[
     # 0. Launched as a programmatic dependent (`dependent`, window_launch.mojo), the
     # unit may start while the kernel before it on the stream still runs, possibly
     # writing the pool, the ring or the tables. Until the wait it only asks L2 for the
-    # state rows of its first slab, and the records a fold on load reads, at the ids it
+    # state rows of its slab, and the records a fold on load reads, at the ids it
     # reads now: hints that save a trip to memory when right and cost nothing else when
     # wrong.
     var num_rows = Int(num_rows_i32)
@@ -243,7 +232,7 @@ def windows_gpu_latency_kernel[
         if hinted_row < num_rows:
             var hinted_rows = state.unsafe_offset(
                 hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V
-                + unit_start + group_column
+                + slab_start + group_column
             )
             comptime for m in range(ROWS):
                 prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
@@ -256,7 +245,7 @@ def windows_gpu_latency_kernel[
                 )
                 prefetch_record_lines[K, V, CHANNEL](
                     ring, hinted_records, hinted_count, record_stride, group_size, group_slot,
-                    unit_start, tid,
+                    slab_start, tid,
                 )
         wait_for_previous_grid()
         # Every block of this kernel has started: the next kernel's blocks may take the
@@ -287,18 +276,18 @@ def windows_gpu_latency_kernel[
         # Never follow an id out of bounds; make the request's readout loudly invalid.
         if writes_column:
             for t in range(start, end):
-                for s in range(WALK_SLABS):
-                    readout[unsafe_offset=t * readout_width + value_head * V + unit_start
-                        + s * SLAB + group_column + slot] = nan[DType.float32]()
+                for _ in range(1):  # a loop of one: see the slab's pass below
+                    readout[unsafe_offset=t * readout_width + value_head * V + slab_start
+                        + group_column + slot] = nan[DType.float32]()
         return
 
     # The warp's shared memory: a chunk of tokens (q and k as they arrive, the unit's
     # value columns, decay and beta) and a chunk of records (keys, deltas, decays).
     var pairs = shared_floats[CHUNK * 2 * NATURAL]()
-    var values = shared_floats[CHUNK * UNIT_COLUMNS]()
+    var values = shared_floats[CHUNK * SLAB]()
     var scalars = shared_floats[CHUNK * TOKEN_SCALARS]()
     var record_keys = shared_floats[(CHUNK * NATURAL if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
-    var record_deltas = shared_floats[(CHUNK * UNIT_COLUMNS if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
+    var record_deltas = shared_floats[(CHUNK * SLAB if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
     # A decay per record, or (per-channel gates) K of them; the tokens' K decays too.
     comptime DECAYS = K if CHANNEL else 1
     var record_decays = shared_floats[CHUNK * DECAYS + COPY_FLOATS]()
@@ -315,8 +304,8 @@ def windows_gpu_latency_kernel[
             pairs.unsafe_offset(NATURAL), qkv, token + (num_key_heads + key_head) * K,
             qkv_width, count, tid,
         )
-        copy_rows_async[UNIT_COLUMNS, CHUNK, WARP_THREADS](
-            values, qkv, token + 2 * num_key_heads * K + value_head * V + unit_start,
+        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
+            values, qkv, token + 2 * num_key_heads * K + value_head * V + slab_start,
             qkv_width, count, tid,
         )
         var at = first * num_value_heads + value_head
@@ -342,8 +331,8 @@ def windows_gpu_latency_kernel[
         copy_rows_async[K, CHUNK, WARP_THREADS, NATURAL](
             record_keys, ring, base + key_offset(), record_stride, count, tid
         )
-        copy_rows_async[UNIT_COLUMNS, CHUNK, WARP_THREADS](
-            record_deltas, ring, base + delta_offset[K, V](group_slot) + unit_start,
+        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
+            record_deltas, ring, base + delta_offset[K, V](group_slot) + slab_start,
             record_stride, count, tid,
         )
         comptime if CHANNEL:
@@ -382,10 +371,6 @@ def windows_gpu_latency_kernel[
         else:
             return Array[Float32, ROWS](fill=scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT])
 
-    # A window or a fold longer than one chunk leaves its last chunk in the buffers, so
-    # every pass after the first stages its first chunks again; otherwise one staging
-    # serves all the unit's passes.
-    var restage = end - start > CHUNK or accepted > CHUNK
     var head_rows = state.unsafe_offset(
         row * (num_value_heads * K * V) + value_head * K * V + lane * V + group_column
     )
@@ -395,29 +380,24 @@ def windows_gpu_latency_kernel[
     var inverse_key_norms = Array[Float32, CHUNK](fill=0.0)
     var query_scales = Array[Float32, CHUNK](fill=0.0)
 
-    # Walking, the next pass's state rows come into shared memory while this pass
-    # computes, by copies each thread makes of its own rows (so no lane waits for
-    # another): row m of thread `tid` at (m * 32 + tid) * CV, conflict-free, in two
-    # buffers so that a copy never lands where the pass before may still be reading.
-    comptime PREFETCH_STATE = WALK_SLABS > 1
-    comptime NEXT_ROWS = ROWS * WARP_THREADS * CV if PREFETCH_STATE else CV
-    comptime ROW_BYTES = CV * size_of[state_dtype]()
-    var next_rows = stack_allocation[
-        2 * NEXT_ROWS, state_dtype, alignment=16, address_space=AddressSpace.SHARED
-    ]()
-
-    for walked in range(WALK_SLABS):
-        var slab_start = unit_start + walked * SLAB  # the pass's first column in the head
-        var staged_column = walked * SLAB + group_column  # in the staged value columns
-        var column = slab_start + group_column
-        var slab = slab_start // SLAB
-        var staging = walked == 0 or restage
+    # The unit is one pass over its slab, written as the loop of one pass it was while a
+    # warp could take several slabs (the walking kernel, removed): LLVM optimizes the
+    # loop, with the pass index in `pass_start`, `staged_column` and `staging` and the
+    # `restage` test, otherwise than straight-line code, and the straight-line kernel's
+    # PTX differs (ptxas: the same registers within 2, or fewer in the forward, fp32 228
+    # to 195 and bf16 232 to 200 with head gates; no spills either way). Until that PTX
+    # is tested and timed on a GPU, the loop keeps this kernel's code as it was measured.
+    var restage = end - start > CHUNK or accepted > CHUNK
+    for slab_pass in range(1):
+        var pass_start = slab_start + slab_pass * SLAB
+        var staged_column = slab_pass * SLAB + group_column  # in the staged value columns
+        var column = pass_start + group_column
+        var slab = pass_start // SLAB
+        var staging = slab_pass == 0 or restage
 
         # 1. Everything the pass needs first is in flight at once.
-        var state_rows = head_rows.unsafe_offset(slab_start)
+        var state_rows = head_rows.unsafe_offset(pass_start)
         if staging:
-            if walked > 0:
-                syncwarp()  # every lane is done with the previous pass's chunks
             var first_records = min(CHUNK, accepted)
             if first_records > 0:
                 copy_records(0, first_records)
@@ -425,12 +405,10 @@ def windows_gpu_latency_kernel[
             async_copy_commit_group()
         # held[m] is state row m * 8 + lane of the thread's CV columns.
         var held = Array[Columns, ROWS](uninitialized=True)
-        var arrived = next_rows.unsafe_offset((walked % 2) * NEXT_ROWS + tid * CV)
-        if walked == 0:
-            comptime for m in range(ROWS):
-                held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
-                    m * REDUCTION_LANES * V
-                ).cast[DType.float32]()
+        comptime for m in range(ROWS):
+            held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
+                m * REDUCTION_LANES * V
+            ).cast[DType.float32]()
 
         @always_inline
         def store_state() {mut}:
@@ -439,29 +417,9 @@ def windows_gpu_latency_kernel[
                     m * REDUCTION_LANES * V, held[m].cast[state_dtype]()
                 )
 
-        if staging or (PREFETCH_STATE and walked > 0):
-            async_copy_wait_all()
         if staging:
+            async_copy_wait_all()
             syncwarp()
-        comptime if PREFETCH_STATE:
-            if walked > 0:
-                comptime for m in range(ROWS):
-                    held[m] = arrived.unsafe_load[width=CV, alignment=ROW_BYTES](
-                        m * WARP_THREADS * CV
-                    ).cast[DType.float32]()
-            # The next pass's rows, issued after the wait so that they stay in flight
-            # through this pass.
-            if walked + 1 < WALK_SLABS:
-                var following = state_rows.unsafe_offset(SLAB)
-                var landing = next_rows.unsafe_offset(((walked + 1) % 2) * NEXT_ROWS + tid * CV)
-                comptime for m in range(ROWS):
-                    async_copy[ROW_BYTES](
-                        following.unsafe_offset(m * REDUCTION_LANES * V).unsafe_address_space_cast[
-                            AddressSpace.GLOBAL
-                        ](),
-                        landing.unsafe_offset(m * WARP_THREADS * CV),
-                    )
-                async_copy_commit_group()
 
         # 2. Fold on load: the previous step's accepted records, as the fold applies them.
         comptime if FOLD_PREVIOUS:
@@ -477,7 +435,7 @@ def windows_gpu_latency_kernel[
                     for t in range(count):
                         var d = lane_decays(record_decays, t)
                         var u = record_deltas.unsafe_load[width=CV, alignment=CV * 4](
-                            t * UNIT_COLUMNS + staged_column
+                            t * SLAB + staged_column
                         )
                         var k = lane_values(record_keys, t * NATURAL)
                         comptime for m in range(ROWS):
@@ -527,7 +485,7 @@ def windows_gpu_latency_kernel[
                         held[m] = held[m] * d[m]
                         partial = fma(held[m], Columns(k[m]), partial)
                     var kv = slab_column_sum[CV](partial, lane)
-                    var v = values[unsafe_offset=c * UNIT_COLUMNS + staged_column + slot]
+                    var v = values[unsafe_offset=c * SLAB + staged_column + slot]
                     var u = (b * fma(-kv, inv_k, v)) * inv_k
                     var u_columns = slab_gather[CV](u, lane)
                     # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).

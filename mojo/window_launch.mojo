@@ -49,10 +49,6 @@ comptime WINDOW_GPU_CAPABILITY_MAJOR = 9
 comptime GPU_PATH_AUTO = 0
 comptime GPU_PATH_LATENCY = 1
 comptime GPU_PATH_THROUGHPUT = 2
-# The walking kernel: the latency kernel's warp, but each warp takes every slab of one
-# request's value head in turn, so the per-unit work (ids, staging, norms, the ring's
-# keys) is a head's once instead of a slab's.
-comptime GPU_PATH_WALK = 3
 # The latency kernel (one warp per request on one column slab) runs automatic launches
 # of at most this many of its warps per SM; larger ones go to the throughput kernel,
 # whose resident blocks overlap one unit's copies with another's arithmetic. Zero: on an
@@ -66,10 +62,10 @@ comptime LATENCY_WARPS_PER_SM = 0
 def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
     comptime if GPU_PATH == GPU_PATH_LATENCY:
         return True
-    elif GPU_PATH == GPU_PATH_THROUGHPUT or GPU_PATH == GPU_PATH_WALK:
+    elif GPU_PATH == GPU_PATH_THROUGHPUT:
         return False
     else:
-        comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1, 2 or 3"
+        comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1 or 2"
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
@@ -319,22 +315,18 @@ def run_windows[
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        if GPU_PATH == GPU_PATH_WALK or CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
-            # One warp a unit: a request on one slab of a value head (the latency kernel),
-            # or on every slab of it in turn (the walking kernel).
-            comptime WALK_SLABS = V // latency_slab_columns[LATENCY_CV]() if GPU_PATH == GPU_PATH_WALK else 1
+        if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
+            # One warp a unit: a request on one slab of a value head.
             comptime warp_kernel = windows_gpu_latency_kernel[
-                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL,
-                WALK_SLABS,
+                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
             ]
-            var warp_units = latency_units // WALK_SLABS
-            var dependent = warp_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
+            var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
             ctx.enqueue_function[warp_kernel](
                 readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
                 previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
                 Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
                 Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
-                grid_dim=warp_units,
+                grid_dim=latency_units,
                 block_dim=WARP_THREADS,
                 attributes=dependent_launch(dependent),
             )

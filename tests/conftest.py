@@ -14,13 +14,12 @@ from gdfold_max.cases import FoldCase
 CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
-#: Where the window ops run in tests: the CPU, and each of the GPU's three kernels, forced
+#: Where the window ops run in tests: the CPU, and each of the GPU's two kernels, forced
 #: (the op's automatic choice would give small test cases one kernel only).
 WINDOW_TARGETS = [
     pytest.param(("cpu", "auto"), id="cpu"),
     pytest.param(("gpu", "latency"), id="gpu-latency", marks=pytest.mark.gpu),
     pytest.param(("gpu", "throughput"), id="gpu-throughput", marks=pytest.mark.gpu),
-    pytest.param(("gpu", "walk"), id="gpu-walk", marks=pytest.mark.gpu),
 ]
 
 

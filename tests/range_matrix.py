@@ -79,13 +79,13 @@ RANGE: list[Point] = [
 
 CPU_TARGET = pytest.param(("cpu", "auto"), id="cpu")
 GPU_TARGETS = [pytest.param(("gpu", path), id=f"gpu-{path}", marks=pytest.mark.gpu)
-               for path in ("latency", "throughput", "walk")]
+               for path in ("latency", "throughput")]
 DEVICES = [CPU_TARGET, pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu)]
 
 
 def on_path(point: Point, device: str, path: str) -> bool:
     """Per-channel gates run on the GPU's latency kernel only (the throughput kernel refuses
-    them, the walk runs the latency kernel)."""
+    them)."""
     return device == "cpu" or point.gate == "head" or path == "latency"
 
 

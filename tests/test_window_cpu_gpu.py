@@ -13,7 +13,7 @@ from gdfold_max.eager.fold import folder_for
 from gdfold_max.eager.window import WindowRunner, runner_for
 
 DTYPES = ["float32", "bfloat16"]
-GPU_PATHS = ["latency", "throughput", "walk"]
+GPU_PATHS = ["latency", "throughput"]
 
 
 @pytest.fixture(scope="session", params=WINDOW_TARGETS)
@@ -220,7 +220,7 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
 @pytest.mark.parametrize(("state_dtype", "column_tile", "gpu_path"),
                          [("float32", None, "throughput"), ("float32", 16, "throughput"),
                           ("bfloat16", None, "throughput"), ("float32", None, "latency"),
-                          ("bfloat16", None, "latency"), ("float32", None, "walk"), ("bfloat16", None, "walk")])
+                          ("bfloat16", None, "latency")])
 def test_gpu_wide_heads_match_reference(state_dtype: str, column_tile: int | None, gpu_path: str) -> None:
     runner = WindowRunner("gpu", column_tile=column_tile, requests_per_block=2, gpu_path=gpu_path)
     case = random_window_case(11, num_value_heads=2, num_key_heads=1, key_dim=256, value_dim=256,
@@ -241,14 +241,12 @@ def test_gpu_three_warp_tile_matches_reference(gpu_path: str) -> None:
 
 # The latency kernel over the batches the throughput kernel's tilings above cover (many
 # warps per SM, every kind of window; batch 7 starts as a dependent launch, batch 70's
-# 2240 warps, over 16 per SM on an H200, do not; nor do the walking kernel's 2160 warps at
-# batch 540, a warp per request and value head), and the automatic choice at a small
+# 2240 warps, over 16 per SM on an H200, do not), and the automatic choice at a small
 # and a large batch (LATENCY_WARPS_PER_SM in mojo/window_launch.mojo decides which
 # kernel it runs).
 @pytest.mark.gpu
 @pytest.mark.parametrize(("state_dtype", "gpu_path", "batch"),
                          [("float32", "latency", 7), ("bfloat16", "latency", 7), ("float32", "latency", 70),
-                          ("float32", "walk", 7), ("bfloat16", "walk", 70), ("float32", "walk", 540),
                           ("float32", "auto", 7), ("float32", "auto", 128), ("bfloat16", "auto", 128)])
 def test_gpu_latency_and_automatic_paths_match_reference(state_dtype: str, gpu_path: str, batch: int) -> None:
     runner = runner_for("gpu", gpu_path)

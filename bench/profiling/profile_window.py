@@ -8,7 +8,7 @@ REQUESTS_PER_BLOCK 0 leaves the grid to the op (its default). DTYPE is the pool'
 float32 (the default) or bfloat16. VARIANT is `fused` (the default) or `forward`: the
 same kernel without records, whose counts beside the fused one's say what the records
 cost. GPU_PATH is the window kernel, as `gpu_path` of the ops: auto (the default),
-latency, throughput or walk (COLUMN_TILE and REQUESTS_PER_BLOCK shape the throughput
+latency or throughput (COLUMN_TILE and REQUESTS_PER_BLOCK shape the throughput
 kernel only).
 """
 

@@ -2,17 +2,17 @@
 reference: the fold (fp32 and bf16 pools, and heads as small as K = V = 8 with 16
 records), the verify, the verify with fold on load and
 the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN and an empty
-one), on the three GPU window kernels (the latency, throughput and walking kernels, each
-forced), the throughput kernel with claimed units (more units than resident blocks
-at a narrow column tile), and per-channel gates (the fold, and the latency kernel's
-verify, fold on load and forward; the walking kernel's too). Then what only a graph
+one), on the two GPU window kernels (the latency and throughput kernels, each forced),
+the throughput kernel with claimed units (more units than resident blocks at a narrow
+column tile), and per-channel gates (the fold, and the latency kernel's verify, fold on
+load and forward). Then what only a graph
 reaches (the eager API refuses bad ids on the host): ids past the pool or the ring in
 GPU graphs of every op and kernel (``skips``), and two requests on one row, which race by
 contract (``shared-row``: memcheck only). Small enough to run under compute-sanitizer
 (sanitize.sh), which runs the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold latency throughput claimed channel walk skips shared-row
+    # fold latency throughput claimed channel skips shared-row
 """
 
 from __future__ import annotations
@@ -83,12 +83,6 @@ def run_channel() -> None:
     run_windows("per-channel gates", WindowRunner("gpu"), "channel")
 
 
-def run_walk() -> None:
-    runner = WindowRunner("gpu", gpu_path="walk")
-    run_windows("walking kernel", runner)
-    run_windows("walking kernel, per-channel gates", runner, "channel")
-
-
 def run_in_graph(runner: WindowRunner, kind: str, case: WindowCase, tables: dict[str, np.ndarray]
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Readout, pool and ring after the graph of ``kind`` on fresh copies, with these
@@ -144,7 +138,7 @@ def run_skips() -> None:
                   *(host_buffer(t).to(folder.device) for t in (row_ids, ring_row_ids, case.num_accepted)))
     want = case.state_out_skipping({(0, 2), (1, 1), (2, 3)})
     same_bits(pool.to(CPU()).to_numpy(), want, "fold in a graph, ids past the pool and the ring skipped")
-    for path in ("latency", "throughput", "walk"):
+    for path in ("latency", "throughput"):
         runner = runner_for("gpu", path)
         window = random_window_case(6, windows=[4, 2, 3, 1])
         rows, ring_rows = window.state.shape[0], window.ring.shape[0]
@@ -202,7 +196,6 @@ GROUPS = {
     "claimed": lambda: run_windows("claimed units", WindowRunner("gpu", column_tile=8, requests_per_block=3,
                                                                  gpu_path="throughput")),
     "channel": run_channel,
-    "walk": run_walk,
     "skips": run_skips,
     "shared-row": run_shared_row,
 }

@@ -28,20 +28,17 @@ def emit[
 
 
 def emit_latency[
-    state_dtype: DType, K: Int, RECORD: Bool, FOLD_PREVIOUS: Bool, CV: Int, CHANNEL: Bool = False,
-    WALK: Bool = False,
+    state_dtype: DType, K: Int, RECORD: Bool, FOLD_PREVIOUS: Bool, CV: Int, CHANNEL: Bool = False
 ]():
-    # The walking kernel is the latency kernel taking a head's slabs (4 * CV columns each).
-    comptime WALK_SLABS = K // (4 * CV) if WALK else 1
     print(
-        "// window kernel:", "walk path," if WALK else "latency path,", state_dtype, "K = V =", K,
+        "// window kernel:", "latency path,", state_dtype, "K = V =", K,
         "fold on load" if FOLD_PREVIOUS else ("verify" if RECORD else "forward"),
         CV, "columns per thread", "per-channel gates" if CHANNEL else "",
     )
     print(
         _compile_code[
             windows_gpu_latency_kernel[
-                state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, CV, CHANNEL, WALK_SLABS
+                state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, CV, CHANNEL
             ],
             target=get_gpu_target["sm_90a"](),
         ]().asm
@@ -49,10 +46,6 @@ def emit_latency[
 
 
 def main():
-    emit_latency[DType.float32, 128, True, True, 4, WALK=True]()
-    emit_latency[DType.bfloat16, 128, True, True, 4, WALK=True]()
-    emit_latency[DType.float32, 128, False, False, 4, WALK=True]()
-    emit_latency[DType.float32, 128, True, True, 2, WALK=True]()
     emit_latency[DType.float32, 128, True, True, 4]()
     emit_latency[DType.float32, 128, True, True, 2]()
     emit_latency[DType.float32, 128, False, False, 4]()

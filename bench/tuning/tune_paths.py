@@ -34,7 +34,7 @@ from rich.console import Console
 from gdfold_max.bench.harness import FoldShape, compile_together, measure_rounds
 from gdfold_max.bench.step import StepGraphs, make_step_operands, step_host_inputs
 
-PATHS = ("latency", "throughput", "walk")
+PATHS = ("latency", "throughput")
 OURS = ("fused", "forward")
 
 

@@ -196,7 +196,7 @@ def bench_step(
     requests_per_block: Annotated[int | None, typer.Option(
         help="Units of work (a request on one column tile of one value head) per GPU block of our verify.")] = None,
     gpu_path: Annotated[str, typer.Option(
-        help="Our window kernel on the GPU: auto (picked per launch), latency, throughput or walk.")] = "auto",
+        help="Our window kernel on the GPU: auto (picked per launch), latency or throughput.")] = "auto",
     device: Annotated[Target, typer.Option(
         help="gpu: MAX's ops (its verify and fold, its forward), ours, ours fused, our forward, and FLA where"
              " torch and fla import;"

@@ -166,7 +166,7 @@ class WindowRunner(CompiledGraphs):
         requests_per_block: GPU only: units of work per block, where a unit is one request
             on one column tile of one value head (not a whole request), as in
             :func:`gdfold_max.verify_ring`.
-        gpu_path: GPU only: ``"auto"``, ``"latency"``, ``"throughput"`` or ``"walk"``, as in
+        gpu_path: GPU only: ``"auto"``, ``"latency"`` or ``"throughput"``, as in
             :func:`gdfold_max.verify_ring`.
     """
 
@@ -285,7 +285,7 @@ _runners = {path: PerDevice(functools.partial(WindowRunner, gpu_path=path)) for 
 
 def runner_for(device: DeviceLike = None, gpu_path: str = "auto") -> WindowRunner:
     """The process-wide cached :class:`WindowRunner` of a device (and, on a GPU, of a
-    kernel choice: ``"auto"``, ``"latency"``, ``"throughput"`` or ``"walk"``)."""
+    kernel choice: ``"auto"``, ``"latency"`` or ``"throughput"``)."""
     if gpu_path not in _runners:
         raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
     return _runners[gpu_path](device)

@@ -43,10 +43,8 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: run time from the launch's units of work, below a threshold measured on an H200
 #: (``LATENCY_WARPS_PER_SM`` in ``mojo/window_launch.mojo``); today that threshold is 0,
 #: since the latency kernel was slower at every batch measured, so ``"auto"`` runs the
-#: throughput kernel. The walking kernel (``"walk"``) is the latency kernel's warp taking
-#: every slab of one request's value head in turn, so that a head's tokens are staged
-#: and normed once; it is forced only, until it is measured ahead somewhere.
-GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2, "walk": 3}
+#: throughput kernel.
+GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 
 
 class WindowTiling(TypedDict, total=False):
@@ -256,7 +254,7 @@ def verify_ring(
             once).
         gpu_path: GPU only: ``"auto"`` (default) picks the kernel at run time from the
             batch and shape (today always the throughput kernel, the faster at every
-            batch measured); ``"latency"``, ``"throughput"`` or ``"walk"`` forces one (see
+            batch measured); ``"latency"`` or ``"throughput"`` forces one (see
             :data:`GPU_PATHS`). Every path gives the same bits; ``column_tile`` and
             ``requests_per_block`` shape the throughput kernel only.
 

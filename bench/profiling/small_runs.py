@@ -1,12 +1,11 @@
 """Small eager runs of every GPU kernel path, each checked bit for bit against the numpy
 reference: the fold (fp32 and bf16 pools, and heads as small as K = V = 8 with 16
-records), the verify, the verify with fold on load and
-the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN and an empty
-one), on the two GPU window kernels (the latency and throughput kernels, each forced),
-the throughput kernel with claimed units (more units than resident blocks at a narrow
-column tile), and per-channel gates (the fold, and the latency kernel's verify, fold on
-load and forward). Then what only a graph
-reaches (the eager API refuses bad ids on the host): ids past the pool or the ring in
+records), the verify, the verify with fold on load and the forward (fp32 and bf16 pools,
+a ragged batch with a window past RING_LEN and an empty one), on the two GPU window
+kernels (the latency and throughput kernels, each forced), the throughput kernel with
+claimed units (more units than resident blocks at a narrow column tile), and per-channel
+gates (the fold, and the latency kernel's verify, fold on load and forward). Then what
+only a graph reaches (the eager API refuses bad ids on the host): ids past the pool or the ring in
 GPU graphs of every op and kernel (``skips``), and two requests on one row, which race by
 contract (``shared-row``: memcheck only). Small enough to run under compute-sanitizer
 (sanitize.sh), which runs the groups side by side:

@@ -20,11 +20,11 @@ are imported, so switching means rebinding the names there.
   (``max.graph.default_custom_extensions``), since MAX's pipelines build their graphs
   without naming any.
 * :class:`FusedGatedDeltaNet` is MAX's ``GatedDeltaNet`` with our verify that folds the
-  previous step's records as it loads the state. MAX's pipeline cannot use it as it
-  stands: its state bookkeeping hands each layer one ring row per request and keeps no
-  accepted counts from one step to the next (docs/integrations.md says what it would
-  need). A caller that keeps two ring rows per request and the previous counts calls
-  the layer directly.
+  previous step's records as it loads the state. It needs two ring rows per request and
+  the previous step's counts, which MAX's own state bookkeeping does not keep:
+  :mod:`gdfold_max.integrations.max_qwen3_5_serve` keeps them and serves it inside
+  MAX's MTP pipeline (``max serve --custom-architectures``); a caller that keeps them
+  itself calls the layer directly.
 
 The conv window's rollback (``replay_conv_pools``) stays MAX's.
 """
@@ -243,9 +243,16 @@ class FusedGatedDeltaNet(gated_deltanet.GatedDeltaNet):
     other rows: keep two ring rows per request and alternate between steps. At a verify
     width of 0 the previous records fold and the window lands on the pool.
 
+    Where the caller cannot pass them (MAX's ``Qwen3_5LinearAttentionBlock`` calls its
+    shards with fixed keywords), the same pair may be bound on the layer as
+    :attr:`fused_previous` while the graph is built; the keywords win when given.
+
     The pools equal, bit for bit, those of our fold followed by our verify; everything
     else in the layer (projections, conv, norm) is MAX's.
     """
+
+    #: ``(previous_ring_row_id, previous_num_accepted)`` for a call without them, or None.
+    fused_previous: tuple[TensorValue, TensorValue] | None = None
 
     def __call__(self, *args: Any, previous_ring_row_id: TensorValue | None = None,
                  previous_num_accepted: TensorValue | None = None, **kwargs: Any) -> TensorValue:
@@ -254,6 +261,8 @@ class FusedGatedDeltaNet(gated_deltanet.GatedDeltaNet):
         given = dict(zip(names, args, strict=False)) | kwargs
         if given.get("verify_width") is None or given.get("ring") is None:
             return super().__call__(*args, **kwargs)
+        if previous_ring_row_id is None and previous_num_accepted is None and self.fused_previous is not None:
+            previous_ring_row_id, previous_num_accepted = self.fused_previous
         if previous_ring_row_id is None or previous_num_accepted is None:
             raise ValueError("previous_ring_row_id, previous_num_accepted: a fused verify needs the previous"
                              " step's ring rows and accepted counts")

@@ -1,0 +1,122 @@
+"""``max serve`` with gdfold_max's fused Qwen3.5 MTP step, on a tiny checkpoint written here.
+
+Writes the random-weight checkpoint of ``examples/max_qwen3_5_pipeline.py`` into a folder,
+starts
+
+    GDFOLD_MAX_QWEN3_5=MODE max serve --model-path DIR --speculative-method mtp \\
+        --custom-architectures gdfold_max.integrations.max_qwen3_5_serve ...
+
+on localhost, waits for ``/health``, sends a few greedy ``/v1/completions`` with token-id
+prompts side by side, prints the new token ids and stops the server. ``--mode max`` serves
+MAX's own MTP pipeline instead (no ``--custom-architectures``). MAX builds Qwen3.5
+pipelines on GPUs only: without one the script writes the checkpoint, prints the command
+and stops there.
+
+    python examples/max_qwen3_5_serve.py [--mode fused|fold|fold+verify|max] [--folder DIR]
+        [--new-tokens 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODULE = "gdfold_max.integrations.max_qwen3_5_serve"
+PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45], [300]]
+
+
+def command(folder: Path, port: int, mode: str) -> tuple[list[str], dict[str, str]]:
+    """The ``max serve`` command line and its environment."""
+    exe = Path(sys.executable).with_name("max")
+    argv = [str(exe) if exe.exists() else "max", "serve", "--model-path", str(folder),
+            "--weight-path", str(folder / "model.safetensors"), "--quantization-encoding", "float32",
+            "--max-length", "256", "--max-batch-size", "2", "--device-memory-utilization", "0.1",
+            "--no-device-graph-capture", "--speculative-method", "mtp", "--num-speculative-tokens", "3",
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1"}
+    if mode != "max":
+        argv += ["--custom-architectures", MODULE]
+        env["GDFOLD_MAX_QWEN3_5"] = mode
+    return argv, env
+
+
+async def ask(url: str, new_tokens: int, ready_s: float, server: subprocess.Popen) -> list[list[int]]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        deadline = time.monotonic() + ready_s
+        while True:
+            try:
+                if (await client.get(url + "/health")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise SystemExit(f"max serve exited {server.returncode} before it was ready (see its log)")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the server was not ready after {ready_s:.0f} s")
+            await asyncio.sleep(2)
+
+        async def one(prompt: list[int]) -> list[int]:
+            reply = await client.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            reply.raise_for_status()
+            return [int(t) for t in reply.json()["choices"][0]["token_ids"]][-new_tokens:]
+
+        return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="fused", choices=["fused", "fold", "fold+verify", "max"])
+    parser.add_argument("--folder", type=Path, default=None)
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--ready-s", type=float, default=1200.0, help="how long to wait for /health")
+    args = parser.parse_args()
+    if args.new_tokens < 1:
+        parser.error(f"--new-tokens: expected at least 1, got {args.new_tokens}")
+
+    checkpoint = runpy.run_path(str(HERE / "max_qwen3_5_pipeline.py"))
+    folder = checkpoint["write_checkpoint"](args.folder or Path(tempfile.mkdtemp()) / "tiny-qwen3_5")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    argv, env = command(folder, port, args.mode)
+    shown = ("" if args.mode == "max" else f"GDFOLD_MAX_QWEN3_5={args.mode} ") + " ".join(argv)
+    print(f"checkpoint in {folder}\n{shown}", flush=True)
+
+    from max.driver import accelerator_count
+
+    if accelerator_count() == 0:
+        print("no GPU here: MAX builds Qwen3.5 pipelines on GPUs only; stopping before the server")
+        return
+    log = folder.parent / f"max-serve-{args.mode}.log"
+    with log.open("w") as stream:
+        server = subprocess.Popen(argv, stdout=stream, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            started = time.monotonic()
+            rows = asyncio.run(ask(f"http://127.0.0.1:{port}", args.new_tokens, args.ready_s, server))
+            print(f"served in {time.monotonic() - started:.0f} s (server log: {log})")
+            for prompt, row in zip(PROMPTS, rows, strict=True):
+                print(f"{prompt} -> {row}")
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""The fused step in MAX's ``unified_mtp_qwen3_5`` pipeline: our verify with fold on
+load in every Gated DeltaNet layer of the target, no rollback fold (the conv rollback
+stays MAX's), two ring halves per request and the previous counts carried on the
+device (:mod:`.ring`).
+
+Each class is MAX's with the least overridden; where MAX's code is followed, the
+MAX 26.7 ``file:line`` is named (paths under ``max/pipelines/architectures``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar
+
+from max.driver import Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+from max.graph import BufferValue, DeviceRef, Dim, Graph, TensorValue, default_custom_extensions_scope
+from max.nn.kv_cache import MultiKVCacheParams, RecurrentLeafInputs, RecurrentStateInputsPerDevice, recurrent_leaf
+from max.pipelines.architectures.qwen3_5.qwen3_5 import Qwen3_5, Qwen3_5LinearAttentionBlock
+from max.pipelines.architectures.qwen3_5.state_cache import STATE_CACHE_KEY
+from max.pipelines.architectures.unified_mtp_qwen3_5 import model as mtp_model
+from max.pipelines.architectures.unified_mtp_qwen3_5.batch_processor import UnifiedMTPQwen3_5BatchProcessor
+from max.pipelines.architectures.unified_mtp_qwen3_5.inputs import UnifiedMTPQwen3_5Inputs
+from max.pipelines.architectures.unified_mtp_qwen3_5.memory_planner import UnifiedMTPQwen3_5MemoryPlanner
+from max.pipelines.architectures.unified_mtp_qwen3_5.model import UnifiedMTPQwen3_5Model
+from max.pipelines.architectures.unified_mtp_qwen3_5.model_config import UnifiedMTPQwen3_5Config
+from max.pipelines.architectures.unified_mtp_qwen3_5.spec_state import (
+    LIVE_CONV_POOLS,
+    LIVE_CONV_ROW_IDS,
+    LIVE_RECURRENT_POOLS,
+    LIVE_RECURRENT_ROW_IDS,
+    RING_POOLS,
+    RING_ROW_IDS,
+    Qwen3_5RecurrentState,
+)
+from max.pipelines.architectures.unified_mtp_qwen3_5.state_rollback import (
+    accepted_lengths,
+    accepted_row_plan,
+    replay_conv_pools,
+)
+from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import UnifiedMTPQwen3_5
+from max.support.algorithm import flatten2d
+
+from ...ops.kernels import kernels_path
+from ..max_qwen3_5 import FusedGatedDeltaNet
+from .ring import (
+    RingCarry,
+    carried_counts,
+    carry_input_types,
+    read_carry,
+    request_tag,
+    tag_rows,
+    two_half_ring,
+    write_carry,
+)
+
+#: Keys of the carry's graph inputs in a driver batch's ``extra``.
+CARRY_TABLES = "gdfold_carry_tables"
+CARRY_TAGS = "gdfold_carry_tags"
+
+
+class FusedMTPConfig(UnifiedMTPQwen3_5Config):
+    """MAX's config with the ring declared in two halves, wherever the cache's
+    geometry is derived from it: the cache itself (``construct_kv_params``,
+    ``qwen3_5/model_config.py:465-510``) and the per-request ring bytes memory planning
+    counts (``_per_request_ring_bytes``, :563-572)."""
+
+    @classmethod
+    def construct_kv_params(cls, *args: Any, **kwargs: Any) -> Any:
+        params = super().construct_kv_params(*args, **kwargs)
+        state = recurrent_leaf(params)
+        if state is None:
+            return params
+        assert isinstance(params, MultiKVCacheParams)
+        children = dict(params.children)
+        children[STATE_CACHE_KEY] = _with_regions(state, two_half_ring(state.regions))
+        return MultiKVCacheParams.from_params(children)
+
+    def _per_request_ring_bytes(self, ring_len: int) -> int:
+        return sum(r.bytes_per_page for r in two_half_ring(self._linear_regions(ring_len)) if r.scratch)
+
+
+def _with_regions(state: Any, regions: tuple[Any, ...]) -> Any:
+    return replace(state, regions=regions)
+
+
+class FusedMTPMemoryPlanner(UnifiedMTPQwen3_5MemoryPlanner):
+    """MAX's planner (``unified_mtp_qwen3_5/memory_planner.py:34-38``); it prices the
+    ring through the config's ``_per_request_ring_bytes``, so the two halves are
+    counted once the arch's config is :class:`FusedMTPConfig` (checked, not changed)."""
+
+    def spec_state_bytes(self, pipeline_config: Any) -> int:
+        assert isinstance(self._config, FusedMTPConfig), f"expected FusedMTPConfig, got {type(self._config)}"
+        return super().spec_state_bytes(pipeline_config)
+
+
+class FusedRecurrentState(Qwen3_5RecurrentState):
+    """MAX's state steps (``unified_mtp_qwen3_5/spec_state.py:205-367``) with the
+    verify recording into the half the previous step did not record into, the layers
+    folding the previous records as they load, and no rollback fold."""
+
+    def __init__(self, target: Qwen3_5, state_regions: Sequence[Any]) -> None:
+        super().__init__(target, state_regions)
+        self.layers = len(target.linear_layer_indices)
+        self.carries: list[RingCarry] = []
+
+    def verify_state(self, extra: Mapping[str, Any], n_devs: int
+                     ) -> list[RecurrentStateInputsPerDevice[TensorValue, BufferValue]]:
+        self.carries = [read_carry(extra[CARRY_TABLES][i], extra[CARRY_TAGS][i], extra[RING_ROW_IDS][i], self.layers)
+                        for i in range(n_devs)]
+        return [
+            RecurrentStateInputsPerDevice(leaves=(
+                RecurrentLeafInputs(pool=extra[LIVE_CONV_POOLS][i], live_row_ids=extra[LIVE_CONV_ROW_IDS][i]),
+                RecurrentLeafInputs(pool=extra[LIVE_RECURRENT_POOLS][i],
+                                    live_row_ids=extra[LIVE_RECURRENT_ROW_IDS][i]),
+                RecurrentLeafInputs(pool=extra[RING_POOLS][i], live_row_ids=carry.current_rows),
+            ))
+            for i, carry in enumerate(self.carries)
+        ]
+
+    def _bind(self, capture: Any, verify_width: TensorValue | None) -> None:
+        super()._bind(capture, verify_width)
+        for layer, index in enumerate(self.target.linear_layer_indices):
+            block = self.target.layers[index]
+            assert isinstance(block, Qwen3_5LinearAttentionBlock)
+            for i, shard in enumerate(block.linear_attn_shards):
+                assert isinstance(shard, FusedGatedDeltaNet), f"layer {index}: {type(shard).__name__}"
+                shard.fused_previous = (None if capture is None
+                                        else (self.carries[i].previous_rows[layer], self.carries[i].count))
+
+    def roll_forward(self, extra: Mapping[str, Any], *, merged_offsets: TensorValue, num_accepted: TensorValue,
+                     num_draft_tokens: TensorValue, total_rows: Dim, signal_buffers: Sequence[BufferValue],
+                     device: DeviceRef) -> None:
+        """MAX's conv rollback as MAX runs it (``spec_state.py:338-358``), then the
+        carry's write in place of ``fold_state_pools``: the records stay in the ring
+        until the next step's verify folds them."""
+        assert self.verify_width is not None and self.num_draft_tokens is not None, "roll_forward before capturing"
+        plan_rows = Dim("batch_size") * (1 + self.num_draft_tokens)
+        row_indices, replay_offsets = accepted_row_plan(merged_offsets, num_accepted, num_draft_tokens, total_rows,
+                                                        device, plan_rows=plan_rows)
+        replay_conv_pools(self.captures, extra[LIVE_CONV_POOLS], extra[LIVE_CONV_ROW_IDS], row_indices,
+                          replay_offsets, signal_buffers, self.verify_width)
+        kept = accepted_lengths(merged_offsets, num_accepted, num_draft_tokens)
+        counts = carried_counts(kept, num_draft_tokens, signal_buffers, len(self.carries))
+        for i, carry in enumerate(self.carries):
+            write_carry(extra[CARRY_TABLES][i], carry, counts[i])
+
+
+class FusedUnifiedMTPQwen3_5(UnifiedMTPQwen3_5):
+    """MAX's MTP driver (``unified_mtp_qwen3_5/unified_mtp_qwen3_5.py:68-190``) over
+    the two-half ring, with :class:`FusedRecurrentState` and our layer in every Gated
+    DeltaNet shard of the target. Its graph inputs are MAX's, then the carry's
+    (:func:`.ring.carry_input_types`), last."""
+
+    def __init__(self, config: Any, speculative_config: Any = None, enable_structured_output: bool = False) -> None:
+        super().__init__(config, speculative_config=speculative_config,
+                         enable_structured_output=enable_structured_output)
+        if self.logit_penalties:
+            raise ValueError("logit_penalties: the fused Qwen3.5 step does not take penalty inputs yet; serve with"
+                             " GDFOLD_MAX_QWEN3_5=fold or without penalties")
+        if getattr(config, "use_subgraphs", False):
+            # Each layer's previous ring rows are bound per layer while the graph is
+            # built; a shared subgraph would bake layer 0's into every layer.
+            raise ValueError("use_subgraphs: the fused step needs each layer traced inline")
+        regions: tuple[Any, ...] = getattr(self, "state_regions")  # noqa: B009 (set by MAX's __init__)
+        self.state_regions = two_half_ring(regions)
+        self._target.state = FusedRecurrentState(self.target, self.state_regions)
+        for index in self.target.linear_layer_indices:
+            block = self.target.layers[index]
+            assert isinstance(block, Qwen3_5LinearAttentionBlock)
+            for shard in block.linear_attn_shards:
+                shard.__class__ = FusedGatedDeltaNet  # adds no weights or state: only __call__
+
+    def input_types(self, kv_params: Any = None) -> tuple[Any, ...]:
+        return (*super().input_types(kv_params), *carry_input_types(self.config.devices))
+
+    def __call__(self, *args: Any, extra: Mapping[str, Any], **kwargs: Any) -> Any:
+        """MAX's builder (``unified_mtp_qwen3_5/model.py:208-256``) reads its inputs up
+        to the last of its own; the carry's follow, taken here from the graph being
+        built."""
+        n = len(self.config.devices)
+        inputs = Graph.current.inputs
+        ours = inputs[len(inputs) - 2 * n:]
+        extra = {**extra, CARRY_TABLES: [v.buffer for v in ours[:n]], CARRY_TAGS: [v.tensor for v in ours[n:]]}
+        return super().__call__(*args, extra=extra, **kwargs)
+
+
+@dataclass(kw_only=True)
+class FusedMTPInputs(UnifiedMTPQwen3_5Inputs):
+    """MAX's inputs (``unified_mtp_qwen3_5/inputs.py:45-80``), then the carry's."""
+
+    carry_tables: list[Buffer] = field(default_factory=list)
+    carry_tags: list[Buffer] = field(default_factory=list)
+
+    @property
+    def buffers(self) -> tuple[Buffer, ...]:
+        return (*super().buffers, *self.carry_tables, *self.carry_tags)
+
+
+class FusedMTPBatchProcessor(UnifiedMTPQwen3_5BatchProcessor):
+    """MAX's batch (``unified_mtp_qwen3_5/batch_processor.py:143-195``) plus each
+    request's tag and the carry tables, one per device, allocated zeroed on first use
+    with a row per ring block and kept for the life of the pipeline."""
+
+    _tables: list[Buffer]
+
+    def prepare_initial_token_inputs(self, replica_batches: Any, kv_cache_inputs: Any = None,
+                                     return_n_logits: int = 1) -> FusedMTPInputs:
+        base = super().prepare_initial_token_inputs(replica_batches, kv_cache_inputs, return_n_logits)
+        contexts = flatten2d(replica_batches)
+        tables = getattr(self, "_tables", None) or []
+        carry_tables: list[Buffer] = []
+        carry_tags: list[Buffer] = []
+        for i, (pool, rows) in enumerate(zip(base.ring_pools, base.ring_row_ids, strict=True)):
+            blocks = pool.shape[0] // rows.shape[0]
+            if len(tables) <= i or tables[i].shape[0] != blocks:
+                tables[i:i + 1] = [Buffer.zeros(shape=[blocks, 4], dtype=DType.uint32, device=pool.device)]
+            carry_tables.append(tables[i])
+            tags = tag_rows([request_tag(c.request_id, c.tokens.generated_length) for c in contexts], rows.shape[1])
+            carry_tags.append(Buffer.from_numpy(tags).to(pool.device))
+        self._tables = tables
+        values = {f.name: getattr(base, f.name) for f in fields(base) if f.init}
+        return FusedMTPInputs(**values, carry_tables=carry_tables, carry_tags=carry_tags)
+
+
+_nn_lock = threading.Lock()
+
+
+@contextmanager
+def _building(nn_class: type) -> Iterator[None]:
+    """Binds ``nn_class`` where MAX's builder looks its driver class up
+    (``unified_mtp_qwen3_5/model.py:186``, the module name ``UnifiedMTPQwen3_5``)."""
+    with _nn_lock:
+        before = mtp_model.UnifiedMTPQwen3_5
+        mtp_model.UnifiedMTPQwen3_5 = nn_class
+        try:
+            yield
+        finally:
+            mtp_model.UnifiedMTPQwen3_5 = before
+
+
+class FusedMTPModel(UnifiedMTPQwen3_5Model):
+    """MAX's MTP pipeline model, built with :class:`FusedUnifiedMTPQwen3_5` by MAX's
+    own graph builder, our kernels among the default custom extensions while it
+    compiles."""
+
+    batch_processor_cls: ClassVar[type[Any]] = FusedMTPBatchProcessor
+    model_config_cls: ClassVar[type[Any]] = FusedMTPConfig
+
+    def load_model(self, session: InferenceSession) -> Model:
+        with default_custom_extensions_scope(kernels_path()):
+            return super().load_model(session)
+
+    def _build_graph_for_compile(self, session: InferenceSession, state_dict: dict[str, Any],
+                                 model_config: Any) -> tuple[Graph, dict[str, Any]]:
+        with default_custom_extensions_scope(kernels_path()), _building(FusedUnifiedMTPQwen3_5):
+            return super()._build_graph_for_compile(session, state_dict, model_config)

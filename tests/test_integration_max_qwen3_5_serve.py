@@ -1,0 +1,586 @@
+"""gdfold_max's Qwen3.5 MTP architecture for ``max serve``
+(``gdfold_max.integrations.max_qwen3_5_serve``).
+
+On the CPU: the mode flag, the two-half ring geometry where each of the three sites
+derives it, the carry's tag / half / count ops (a small CPU graph of just those ops,
+stepped against a plain-Python model of the carry), the registration over MAX's entry
+for the tiny checkpoint of ``examples/max_qwen3_5_pipeline.py``, and the fused graph
+built (not compiled) by MAX's own builder: its input signature and which state ops it
+holds. The MAX sources the architecture follows are pinned by hash.
+
+On a GPU: ``max serve`` on localhost, fused, fold-only, fold+verify, MAX's own MTP and
+plain decoding, each answering the same concurrent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import os
+import re
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("max.pipelines.architectures.unified_mtp_qwen3_5.state_rollback",
+                    reason="MAX's pipelines need the max-pipelines extra")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "max_qwen3_5_pipeline.py"
+MODULE = "gdfold_max.integrations.max_qwen3_5_serve"
+
+
+@pytest.fixture(scope="module")
+def example() -> dict:
+    return runpy.run_path(str(EXAMPLE))
+
+
+# --- the mode flag -------------------------------------------------------------------
+
+
+def test_the_mode_flag_names_the_variable_and_the_value() -> None:
+    from gdfold_max.integrations import max_qwen3_5_serve as serve
+
+    assert serve.mode({}) == "fused"
+    assert [serve.mode({serve.ENV: m}) for m in serve.MODES] == list(serve.MODES)
+    for bad in ("Fused", "fold+", ""):
+        message = f"GDFOLD_MAX_QWEN3_5={bad!r}: expected one of fused, fold, fold+verify"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            serve.mode({serve.ENV: bad})
+    with pytest.raises(ValueError, match="mode: expected one of .* got 'nope'"):
+        serve.architectures("nope")
+
+
+def test_a_bad_mode_stops_the_import_with_that_message() -> None:
+    env = {**os.environ, "GDFOLD_MAX_QWEN3_5": "fast", "PYTHONPATH": str(ROOT / "python")}
+    run = subprocess.run([sys.executable, "-c", f"import {MODULE}"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode != 0
+    assert "GDFOLD_MAX_QWEN3_5='fast': expected one of fused, fold, fold+verify" in run.stderr
+
+
+def test_each_mode_replaces_max_s_mtp_architecture_under_its_name() -> None:
+    from max.pipelines.architectures.unified_mtp_qwen3_5.arch import unified_mtp_qwen3_5_arch as max_arch
+
+    from gdfold_max.integrations import max_qwen3_5_serve as serve
+    from gdfold_max.integrations.max_qwen3_5_serve import fused
+
+    models = {"fused": fused.FusedMTPModel, "fold": serve.PatchedMTPModel, "fold+verify": serve.PatchedVerifyMTPModel}
+    for mode, model in models.items():
+        (arch,) = serve.architectures(mode)
+        assert arch.name == max_arch.name and arch.task == max_arch.task
+        assert arch.pipeline_model is model
+        # What the checkpoint and MAX's scheduler rely on stays MAX's.
+        assert arch.required_arguments == {"enable_prefix_caching": False}
+        assert not arch.supports_device_graph_capture
+        assert (arch.tool_parser, arch.reasoning_parser) == ("qwen3_5", "qwen3_5")
+        assert arch.weight_adapters == max_arch.weight_adapters and arch.tokenizer is max_arch.tokenizer
+    assert not serve.PatchedMTPModel.verify and serve.PatchedVerifyMTPModel.verify
+    (arch,) = serve.architectures("fused")
+    assert (arch.config, arch.batching, arch.memory_planner) == (
+        fused.FusedMTPConfig, fused.FusedMTPBatchProcessor, fused.FusedMTPMemoryPlanner)
+
+
+# --- MAX's sources this follows ------------------------------------------------------
+
+#: sha256 (first 16 hex digits) of the MAX 26.7.0 sources the architecture subclasses,
+#: rebinds or mirrors (paths under max/pipelines/architectures). A change in any of them
+#: needs a look at gdfold_max/integrations/max_qwen3_5_serve before the hash is updated.
+PINNED = {
+    "unified_mtp_qwen3_5.model.UnifiedMTPQwen3_5Model._build_graph_for_compile": "3db103b797fc2625",
+    "unified_mtp_qwen3_5.spec_state.Qwen3_5RecurrentState": "0a146d5e3cd88b91",
+    "unified_mtp_qwen3_5.batch_processor.UnifiedMTPQwen3_5BatchProcessor.prepare_initial_token_inputs":
+        "a3035cfa7cb3a66a",
+    "unified_mtp_qwen3_5.inputs.UnifiedMTPQwen3_5Inputs": "1b76eef7056c77a2",
+    "unified_mtp_qwen3_5.memory_planner.UnifiedMTPQwen3_5MemoryPlanner": "440a6119bed592da",
+    "unified_mtp_qwen3_5.unified_mtp_qwen3_5.UnifiedMTPQwen3_5": "906cfcbc69cc4158",
+    "qwen3_5.qwen3_5.Qwen3_5LinearAttentionBlock.__call__": "4af1d8ddbfee07d4",
+    "qwen3_5.model_config.Qwen3_5Config.construct_kv_params": "f78cbdbdf1bcad37",
+    "qwen3_5.model_config.Qwen3_5Config._per_request_ring_bytes": "e435a90a4e200b46",
+    "qwen3_5.state_cache.linear_state_regions": "c2529487b7961062",
+}
+
+
+def test_the_max_sources_followed_are_the_ones_read() -> None:
+    import importlib
+
+    changed = {}
+    for dotted, digest in PINNED.items():
+        parts = dotted.split(".")
+        for split in range(len(parts), 0, -1):
+            try:
+                obj: Any = importlib.import_module("max.pipelines.architectures." + ".".join(parts[:split]))
+            except ImportError:
+                continue
+            for name in parts[split:]:
+                obj = getattr(obj, name)
+            break
+        got = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+        if got != digest:
+            changed[dotted] = got
+    assert not changed, f"MAX's source changed: {changed}"
+    # The builder looks the driver class up by this module name, which is what
+    # FusedMTPModel rebinds while it builds.
+    from max.pipelines.architectures.unified_mtp_qwen3_5 import model
+
+    assert "nn_model = UnifiedMTPQwen3_5(" in inspect.getsource(model.UnifiedMTPQwen3_5Model._build_graph_for_compile)
+
+
+# --- the carry: tags, halves, counts --------------------------------------------------
+
+
+def test_request_tags_are_zero_until_a_request_has_generated() -> None:
+    from gdfold_max.integrations.max_qwen3_5_serve.ring import request_tag, tag_rows
+
+    assert request_tag("a", 0) == (0, 0)
+    lo, hi = request_tag("a", 1)
+    assert lo & 1 and request_tag("a", 7) == (lo, hi) and request_tag("b", 1) != (lo, hi)
+    assert max(lo, hi) < 2**32
+    rows = tag_rows([(lo, hi), (0, 0)], 3)
+    assert rows.dtype == np.uint32 and rows.tolist() == [[lo, hi], [0, 0], [0, 0]]
+    with pytest.raises(ValueError, match="tags: 2 requests for a batch of 1 rows"):
+        tag_rows([(1, 0), (3, 0)], 1)
+
+
+class CarryModel:
+    """The carry as plain Python: a dict per ring block."""
+
+    def __init__(self, blocks: int) -> None:
+        self.table = [(0, 0, 0, 0)] * blocks
+
+    def step(self, blocks: list[int], tags: list[tuple[int, int]], drafts: int, accepted: list[int]
+             ) -> tuple[list[int], list[int]]:
+        """Returns (half recorded into, count folded on load) per row."""
+        halves, counts, writes = [], [], []
+        for block, tag, acc in zip(blocks, tags, accepted, strict=True):
+            lo, hi, last, count = self.table[block]
+            valid = (lo, hi) == tag and block != 0
+            last, count = (last, count) if valid else (0, 0)
+            halves.append(1 - last)
+            counts.append(count)
+            writes.append((block, (*tag, 1 - last if drafts else last, 1 + acc if drafts else 0)))
+        for block, entry in writes:
+            self.table[block] = entry
+        return halves, counts
+
+
+@pytest.fixture(scope="module")
+def carry_graph() -> Any:
+    """read_carry / carried_counts / write_carry alone, compiled for the CPU, with MAX's
+    ``accepted_lengths`` between them as the fused step has it."""
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType
+    from max.pipelines.architectures.unified_mtp_qwen3_5.state_rollback import accepted_lengths
+
+    from gdfold_max.integrations.max_qwen3_5_serve.ring import (
+        carried_counts,
+        carry_input_types,
+        read_carry,
+        write_carry,
+    )
+
+    cpu = DeviceRef.CPU()
+    types = [*carry_input_types([cpu]), TensorType(DType.uint32, [2 * LAYERS, "batch_size"], cpu),
+             TensorType(DType.uint32, ["offsets"], cpu), TensorType(DType.int64, ["batch_size"], cpu),
+             TensorType(DType.int64, [], cpu)]
+    with Graph("gdfold_carry", input_types=types) as graph:
+        table, tags, rows, offsets, accepted, drafts = graph.inputs
+        carry = read_carry(table.buffer, tags.tensor, rows.tensor, LAYERS)
+        kept = accepted_lengths(offsets.tensor, accepted.tensor, drafts.tensor)
+        write_carry(table.buffer, carry, carried_counts(kept, drafts.tensor, [], 1)[0])
+        graph.output(carry.current_rows, carry.previous_rows, carry.count)
+    return InferenceSession(devices=[CPU()]).load(graph)
+
+
+LAYERS = 3
+
+
+def test_the_carry_alternates_halves_and_folds_the_previous_counts(carry_graph: Any) -> None:
+    """Two requests share a batch, then one finishes and a new request takes its ring
+    block; a padding row points at block 0; a step without drafts lands its window and
+    carries nothing. Each step must record into the half the previous one did not, and
+    fold the previous step's ``1 + accepted`` records."""
+    from max.driver import Buffer
+
+    from gdfold_max.integrations.max_qwen3_5_serve.ring import request_tag, tag_rows
+
+    blocks_total = 6
+    table = Buffer.from_numpy(np.zeros((blocks_total, 4), np.uint32))
+    model = CarryModel(blocks_total)
+    a, b, c = (request_tag(name, 1) for name in "abc")
+    zero = (0, 0)
+    # (ring block per row, tag per row, drafts K, accepted per row)
+    steps = [
+        ([3, 5, 0], [zero, zero, zero], 0, [0, 0, 0]),   # prefill of a and b, a padding row
+        ([3, 5, 0], [a, b, zero], 3, [2, 0, 0]),
+        ([3, 5, 0], [a, b, zero], 3, [3, 1, 0]),
+        ([3, 5], [a, b], 0, [0, 0]),                       # an adaptive width of 0
+        ([3, 5], [a, b], 3, [1, 3]),
+        ([3, 5], [zero, b], 0, [0, 0]),                   # c admitted on a's block: prefill
+        ([3, 5], [c, b], 3, [0, 2]),
+        ([3, 5], [c, b], 3, [3, 3]),
+    ]
+    for seen, (blocks, tags, drafts, accepted) in enumerate(steps):
+        rows = np.array([[blk * 2 * LAYERS + layer for blk in blocks] for layer in range(2 * LAYERS)], np.uint32)
+        per_row = drafts + 1
+        offsets = np.arange(len(blocks) + 1, dtype=np.uint32) * per_row
+        current, previous, count = (o.to_numpy() for o in carry_graph.execute(
+            table, Buffer.from_numpy(tag_rows(tags, len(blocks))), Buffer.from_numpy(rows),
+            Buffer.from_numpy(offsets), Buffer.from_numpy(np.array(accepted, np.int64)),
+            Buffer.from_numpy(np.array(drafts, np.int64))))
+        halves, counts = model.step(blocks, tags, drafts, accepted)
+        assert count.tolist() == counts, (seen, blocks, tags)
+        for row, (blk, half) in enumerate(zip(blocks, halves, strict=True)):
+            base = blk * 2 * LAYERS
+            assert current[:, row].tolist() == [base + half * LAYERS + layer for layer in range(LAYERS)]
+            assert previous[:, row].tolist() == [base + (1 - half) * LAYERS + layer for layer in range(LAYERS)]
+    # The model itself, spot-checked: c's last step kept 1 + 3 records, b's 1 + 3.
+    assert [entry[3] for entry in model.table[3:6:2]] == [4, 4]
+    assert [entry[:2] for entry in model.table[3:6:2]] == [c, b]
+
+
+# --- the geometry and the graph, from MAX's own builder --------------------------------
+
+
+@pytest.fixture(scope="module")
+def fused_graph(example: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """MAX's ``_build_graph_for_compile`` run by our pipeline model on the CPU for the
+    tiny checkpoint (built, not compiled). Two GPU-only pieces are stood in for: each
+    layer's ``Allreduce`` opens an accelerator per device at construction (given the CPU
+    here), and the bitmask's host wait exists only on GPUs (left out here)."""
+    from dataclasses import replace
+
+    import max.nn.comm.allreduce as allreduce
+    import max.pipelines.speculative.unified_graph_ops as graph_ops
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.graph import DeviceRef
+    from max.graph.weights import WeightsFormat, load_weights
+    from max.nn.kv_cache import MultiKVCacheParams, recurrent_leaf
+    from max.pipelines.architectures.qwen3_5.model_config import Qwen3_5Config
+    from max.pipelines.architectures.qwen3_5.state_cache import attn_cache
+    from max.pipelines.lib.registry import PIPELINE_REGISTRY
+
+    from gdfold_max.integrations.max_qwen3_5_serve import fused
+
+    folder = example["write_checkpoint"](tmp_path_factory.mktemp("serve") / "tiny")
+    pipeline = example["pipeline_config"](folder, 3, "cpu")
+    adapter = PIPELINE_REGISTRY.architecture_for_config(pipeline).weight_adapters[WeightsFormat.safetensors]
+    raw = adapter(dict(load_weights([folder / "model.safetensors"]).items()),
+                  huggingface_config=pipeline.model.huggingface_config, pipeline_config=pipeline)
+    hf = pipeline.model.huggingface_config
+    kv = fused.FusedMTPModel.get_kv_params(huggingface_config=hf, pipeline_config=pipeline, devices=[DeviceRef.CPU()],
+                                           kv_cache_config=pipeline.model.kv_cache, cache_dtype=DType.float32)
+    model = object.__new__(fused.FusedMTPModel)
+    model.pipeline_config = pipeline
+    model.devices = [CPU()]
+    model._draft_state_dict = {k[len("draft."):]: v for k, v in raw.items() if k.startswith("draft.")}
+    target = {k[len("target."):]: v for k, v in raw.items() if k.startswith("target.")}
+    # As MAX's _create_model_config readies the cache and the config
+    # (unified_mtp_qwen3_5/model.py:119-164).
+    attn = attn_cache(kv)
+    model.kv_params = MultiKVCacheParams.from_params({"target": attn, "draft": replace(attn, num_layers=1),
+                                                      "state": recurrent_leaf(kv)})
+    config = Qwen3_5Config.initialize(pipeline, max_seq_len=256)
+    config.finalize(huggingface_config=Qwen3_5Config._get_text_config(hf), state_dict=target, return_logits=None,
+                    norm_method="rms_norm", attention_bias=False)
+    config.use_subgraphs = False
+    config.mrope_without_encoder = config.vision_config is not None
+    config.vision_config = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allreduce, "Accelerator", lambda id: CPU())
+        patch.setattr(graph_ops, "wait_host_value_with_dep", lambda *args, **kwargs: None)
+        graph, _ = model._build_graph_for_compile(None, target, config)  # type: ignore[arg-type]
+    planner_config = fused.FusedMTPConfig.initialize(pipeline, max_seq_len=256)
+    return {"graph": graph, "nn": model._fused_nn_model, "kv": kv, "model_kv": model.kv_params,
+            "planner_config": planner_config, "pipeline": pipeline, "text": str(graph)}
+
+
+def test_the_three_sites_of_the_ring_geometry_agree(fused_graph: dict, example: dict) -> None:
+    from max.nn.kv_cache import recurrent_leaf
+    from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import ring_len_for_config
+
+    layers = example["LAYERS"] - 1
+    cache = recurrent_leaf(fused_graph["kv"]).regions
+    graph = tuple(fused_graph["nn"].state_regions)
+    assert cache == graph
+    live, ring = cache[:2], cache[2]
+    assert [r.num_layers for r in live] == [layers, layers] and ring.num_layers == 2 * layers and ring.scratch
+    ring_len = ring_len_for_config(fused_graph["pipeline"].speculative)
+    assert ring.row_shape[:2] == (example["KEY_HEADS"], ring_len)
+    # Memory planning prices the same ring, both halves.
+    priced = fused_graph["planner_config"]._per_request_ring_bytes(ring_len)
+    assert priced == ring.bytes_per_page == 2 * layers * ring.row_elements * 4
+    # A record fits its stride (raw key, then each value head's delta row and decay).
+    heads_per_key = example["VALUE_HEADS"] // example["KEY_HEADS"]
+    assert ring.row_shape[2] >= example["HEAD_DIM"] + heads_per_key * (example["HEAD_DIM"] + 1)
+
+
+def test_the_fused_graph_signature_is_max_s_then_the_carry(fused_graph: dict) -> None:
+    from max.dtype import DType
+    from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import UnifiedMTPQwen3_5
+
+    nn = fused_graph["nn"]
+    ours = [v.type for v in fused_graph["graph"].inputs]
+    from max.pipelines.architectures.unified_mtp_qwen3_5.spec_state import graph_kv_params
+
+    theirs = list(UnifiedMTPQwen3_5.input_types(nn, graph_kv_params(fused_graph["model_kv"])))
+    assert [str(t) for t in ours[:len(theirs)]] == [str(t) for t in theirs]
+    assert len(ours) == len(theirs) + 2
+    table, tags = ours[-2:]
+    assert (table.dtype, [str(d) for d in table.shape]) == (DType.uint32, ["gdfold_ring_blocks", "4"])
+    assert (tags.dtype, [str(d) for d in tags.shape]) == (DType.uint32, ["batch_size", "2"])
+    # Before the carry: the ring rows of both halves, then the M-RoPE positions.
+    assert nn.target.mrope_enabled
+    assert [str(d) for d in ours[-3].shape] == ["3", "merged_total_seq_len"]
+    assert [str(d) for d in ours[-4].shape] == [str(2 * len(nn.target.linear_layer_indices)), "batch_size"]
+
+
+def test_the_fused_graph_folds_on_load_and_never_rolls_back_the_pool(fused_graph: dict, example: dict) -> None:
+    """Every Gated DeltaNet layer of the target verifies with fold on load (and, at a
+    verify width of 0, folds then runs the window: our fold and our forward); MAX's
+    verify and MAX's rollback fold appear nowhere; the conv kernel runs in the verify and
+    in MAX's conv rollback of each layer."""
+    layers = example["LAYERS"] - 1
+    text = fused_graph["text"]
+    assert text.count('"gdfold_verify_ring_fold_on_load"') == layers
+    assert text.count('"gdfold_state_fold"') == layers
+    assert text.count('"gdfold_recurrence"') == layers
+    assert text.count('"gated_delta_conv1d_verify_fwd"') == 2 * layers
+    for max_op in ("gated_delta_state_fold", "gated_delta_recurrence_verify_ring", "gated_delta_recurrence_fwd"):
+        assert f'"{max_op}"' not in text
+
+
+def test_registering_the_module_overrides_max_s_entry_for_the_checkpoint(example: dict, tmp_path: Path) -> None:
+    """As ``PipelineConfig.from_args`` registers ``--custom-architectures`` (MAX's
+    ``import_custom_architectures``; in a process of its own, so that this one's registry
+    keeps MAX's entry): the checkpoint with speculation resolves to our
+    pipeline model under MAX's name; without, to MAX's plain Qwen3.5."""
+    folder = example["write_checkpoint"](tmp_path / "tiny")
+    script = f"""
+import runpy
+from pathlib import Path
+from max.pipelines.lib.arch_lookup import import_custom_architectures
+from max.pipelines.lib.registry import PIPELINE_REGISTRY
+ex = runpy.run_path({str(EXAMPLE)!r})
+import_custom_architectures([{MODULE!r}])
+for drafts in (3, 0):
+    arch = PIPELINE_REGISTRY.architecture_for_config(ex["pipeline_config"](Path({str(folder)!r}), drafts, "cpu"))
+    print("ARCH", drafts, arch.name, arch.pipeline_model.__module__, arch.pipeline_model.__qualname__)
+"""
+    lines = {}
+    for mode in ("fused", "fold+verify"):
+        env = {**os.environ, "GDFOLD_MAX_QWEN3_5": mode, "PYTHONPATH": str(ROOT / "python"),
+               "HF_HUB_OFFLINE": "1"}
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines[mode] = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("ARCH")]
+    module = f"{MODULE}.fused"
+    assert lines["fused"][0] == ["3", "UnifiedMTPQwen3_5ForConditionalGeneration", module, "FusedMTPModel"]
+    assert lines["fold+verify"][0] == ["3", "UnifiedMTPQwen3_5ForConditionalGeneration", MODULE,
+                                       "PatchedVerifyMTPModel"]
+    for mode in lines:
+        assert lines[mode][1][:2] == ["0", "Qwen3_5ForConditionalGeneration"]
+        assert not lines[mode][1][2].startswith("gdfold_max")
+
+
+# --- served, on a GPU -----------------------------------------------------------------
+
+#: Token-id prompts of a wave: more than --max-batch-size, so requests are admitted
+#: while others decode and ring blocks are reused.
+PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [300],
+           [17, 18, 19, 20, 21, 22], [99, 98, 97, 96, 95]]
+NEW_TOKENS = 12
+READY_S = 1500.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def max_command() -> list[str]:
+    script = Path(sys.executable).with_name("max")
+    found = script if script.exists() else shutil.which("max")
+    if found is None:
+        pytest.skip("MAX's `max` command is not installed beside this Python")
+    return [str(found)]
+
+
+@contextmanager
+def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative: bool,
+           extra: tuple[str, ...] = ()) -> Iterator[dict]:
+    """``max serve`` in a process group of its own, until the block ends (SIGTERM, then
+    SIGKILL to that group only)."""
+    port = free_port()
+    argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
+            "--quantization-encoding", "float32", "--max-length", "256", "--max-batch-size", "2",
+            "--device-memory-utilization", "0.1", "--no-device-graph-capture", "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", "tiny", *extra]
+    if speculative:
+        argv += ["--speculative-method", "mtp", "--num-speculative-tokens", "3"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))}
+    env.pop("GDFOLD_MAX_QWEN3_5", None)
+    if mode is not None:
+        argv += ["--custom-architectures", MODULE]
+        env["GDFOLD_MAX_QWEN3_5"] = mode
+    log = (logs / f"{name}.log").open("w")
+    log.write(" ".join(argv) + "\n")
+    log.flush()
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": logs / f"{name}.log"}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        log.close()
+
+
+async def wait_ready(server: dict, deadline: float) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            if server["proc"].poll() is not None:
+                tail = server["log"].read_text()[-4000:]
+                raise AssertionError(f"{server['name']}: max serve exited {server['proc'].returncode}\n{tail}")
+            try:
+                if (await client.get(server["url"] + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{server['name']}: not ready after {READY_S:.0f} s")
+            await asyncio.sleep(2)
+
+
+async def completion_ids(client: Any, url: str, prompt: list[int]) -> list[int]:
+    reply = await client.post(url + "/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    ids = choice.get("token_ids")
+    assert ids is not None, f"no token_ids in {choice}"
+    return [int(t) for t in ids][-NEW_TOKENS:]
+
+
+async def cancel_a_stream(client: Any, url: str) -> int:
+    """A streamed completion dropped after two chunks; returns the chunks read."""
+    chunks = 0
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                chunks += 1
+                if chunks == 2:
+                    break
+    return chunks
+
+
+async def exercise(server: dict) -> dict:
+    """A wave of concurrent completions, a chat completion and a cancelled stream side
+    by side, then the same wave again."""
+    import httpx
+
+    url = server["url"]
+    async with httpx.AsyncClient(timeout=600) as client:
+        chat = client.post(url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 8,
+            "temperature": 0})
+        first, chat_reply, chunks = await asyncio.gather(
+            asyncio.gather(*(completion_ids(client, url, p) for p in PROMPTS)), chat, cancel_a_stream(client, url))
+        second = await asyncio.gather(*(completion_ids(client, url, p) for p in PROMPTS))
+        healthy = (await client.get(url + "/health")).status_code
+    assert chat_reply.status_code == 200, chat_reply.text
+    message = chat_reply.json()["choices"][0]["message"]
+    return {"first": list(first), "second": list(second), "chunks": chunks, "healthy": healthy,
+            "chat": (message.get("content") or "") + (message.get("reasoning_content") or "")}
+
+
+#: name -> (GDFOLD_MAX_QWEN3_5 or None for MAX's own, speculative, extra flags)
+SERVERS: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
+    "fused": ("fused", True, ()),
+    "fused-no-overlap": ("fused", True, ("--disable-overlap",)),
+    "fold+verify": ("fold+verify", True, ()),
+    "fold": ("fold", True, ()),
+    "max-mtp": (None, True, ()),
+    "plain": (None, False, ()),
+}
+
+
+@pytest.mark.gpu
+def test_max_serve_gives_the_fused_step_s_tokens(example: dict, tmp_path: Path) -> None:
+    """Six servers of the tiny checkpoint side by side (each a tenth of the GPU), all
+    asked the same. The fused step's pools equal fold+verify's bit for bit, so their
+    greedy tokens must be equal; the fold alone is bit-identical to MAX's, so fold's
+    must equal MAX's MTP. Each server must give its first wave's tokens again after a
+    cancelled stream and a second wave (ring blocks reused, tags reset). Agreement with
+    plain decoding and of fused with MAX's MTP is reported (random weights make greedy
+    ties possible where the arithmetic differs in the last bits)."""
+    pytest.importorskip("httpx")
+    folder = example["write_checkpoint"](tmp_path / "tiny")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with ExitStack() as stack:
+        servers = {}
+        for name, (mode, speculative, extra) in SERVERS.items():
+            # A folder per server: MAX caches a checkpoint's config per folder.
+            copy = tmp_path / f"tiny-{name}"
+            shutil.copytree(folder, copy)
+            servers[name] = stack.enter_context(served(name, copy, logs, mode=mode, speculative=speculative,
+                                                       extra=extra))
+
+        async def everything() -> dict:
+            deadline = time.monotonic() + READY_S
+            await asyncio.gather(*(wait_ready(s, deadline) for s in servers.values()))
+            results = await asyncio.gather(*(exercise(s) for s in servers.values()))
+            return dict(zip(servers, results, strict=True))
+
+        started = time.monotonic()
+        try:
+            results = asyncio.run(everything())
+        except BaseException:
+            for server in servers.values():
+                print(f"--- {server['name']} log tail ---\n{server['log'].read_text()[-3000:]}")
+            raise
+        print(f"served and answered in {time.monotonic() - started:.0f} s")
+    report = {name: r["first"] for name, r in results.items()}
+    print(json.dumps(report, indent=None))
+    for name, r in results.items():
+        assert r["chunks"] == 2 and r["healthy"] == 200, name
+        assert all(len(ids) == NEW_TOKENS for ids in r["first"]), name
+        assert r["second"] == r["first"], f"{name}: the second wave differs"
+    for name in ("fused", "fused-no-overlap", "fold+verify", "fold", "max-mtp"):
+        same = report[name] == report["plain"]
+        print(f"{name}: {'the same tokens as' if same else 'tokens differ from'} plain decoding")
+    print(f"fused: {'the same tokens as' if report['fused'] == report['max-mtp'] else 'tokens differ from'}"
+          " MAX's MTP")
+    assert report["fused"] == report["fold+verify"]
+    assert report["fused-no-overlap"] == report["fused"]
+    assert results["fused"]["chat"] == results["fold+verify"]["chat"]
+    assert report["fold"] == report["max-mtp"]

@@ -34,8 +34,8 @@ GROUPS: dict[str, tuple[list[str], str]] = {
     "max-layers": (["test_integration_max_qwen3_5.py", "test_integration_max_qwen3_5_devices.py",
                     "test_integration_max_qwen3_5_pipeline.py"], "loadfile"),
     "max-decoding": (["test_integration_max_qwen3_5_decoding.py"], "loadfile"),
-    # One test: six `max serve` processes of the tiny checkpoint side by side.
-    "max-serve": (["test_integration_max_qwen3_5_serve.py"], "loadfile"),
+    # Two tests of three `max serve` processes of the tiny checkpoint each, side by side.
+    "max-serve": (["test_integration_max_qwen3_5_serve.py"], "load"),
 }
 
 

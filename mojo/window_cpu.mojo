@@ -28,6 +28,7 @@ from .record_layout import (
     key_offset,
 )
 from .state_cast import narrow, widen
+from .window_operands import WindowOperands
 
 comptime COLUMN_BLOCK = 8
 comptime TASKS_PER_CORE = 8
@@ -35,6 +36,7 @@ comptime TASKS_PER_CORE = 8
 
 def windows_cpu[
     state_dtype: DType,
+    //,
     K: Int,
     V: Int,
     RING_LEN: Int,
@@ -42,23 +44,24 @@ def windows_cpu[
     FOLD_PREVIOUS: Bool,
     CHANNEL: Bool = False,
 ](
-    readout: Pointer[Float32, MutAnyOrigin],
-    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
-    ring: Pointer[Float32, MutAnyOrigin],
-    qkv: Pointer[Float32, ImmutAnyOrigin],
-    decay: Pointer[Float32, ImmutAnyOrigin],
-    beta: Pointer[Float32, ImmutAnyOrigin],
-    row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    offsets: Pointer[UInt32, ImmutAnyOrigin],
-    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
-    batch: Int,
+    operands: WindowOperands[state_dtype],
     num_value_heads: Int,
     num_key_heads: Int,
     record_stride: Int,
 ):
     """Runs every request's window; all ids and offsets were validated."""
+    var readout = operands.readout
+    var state = operands.state
+    var ring = operands.ring
+    var qkv = operands.qkv
+    var decay = operands.decay
+    var beta = operands.beta
+    var row_ids = operands.row_ids
+    var ring_row_ids = operands.ring_row_ids
+    var offsets = operands.offsets
+    var previous_ring_row_ids = operands.previous_ring_row_ids
+    var previous_accepted = operands.previous_accepted
+    var batch = operands.batch
     comptime W = COLUMN_BLOCK
     comptime BLOCKS = V // W
     var group_size = num_value_heads // num_key_heads

@@ -21,6 +21,7 @@ from .operand_checks import (
     check_pool_and_ring,
 )
 from .window_cpu import windows_cpu
+from .window_operands import WindowOperands
 from .window_gpu import window_block_threads, windows_gpu_kernel
 from .window_gpu_latency import (
     latency_column_vector,
@@ -109,11 +110,6 @@ def check_window_gpu(ctx: DeviceContext) raises:
         )
 
 
-def head_decay_dims(dims: IndexList[2]) -> IndexList[3]:
-    """The [T, nv] shape of a decay per head as run_windows takes decay shapes."""
-    return IndexList[3](dims[0], dims[1], 1)
-
-
 def key_heads_of_qkv[K: Int, V: Int](qkv_width: Int, num_value_heads: Int) raises -> Int:
     """The key head count nk from the width of qkv, `2*nk*K + nv*V`, when no ring tells it."""
     var rest = qkv_width - num_value_heads * V
@@ -184,74 +180,41 @@ def check_no_ring_overlap[
                 )
 
 
-def run_windows[
-    target: StaticString,
+def check_window_operands[
     state_dtype: DType,
+    //,
     K: Int,
     V: Int,
     RING_LEN: Int,
-    COLUMN_TILE: Int,
-    REQUESTS_PER_BLOCK: Int,
-    GPU_PATH: Int,
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
-    CHANNEL: Bool = False,
-](
-    readout: Pointer[Float32, MutAnyOrigin],
-    readout_dims: IndexList[2],
-    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
-    state_dims: IndexList[4],
-    ring: Pointer[Float32, MutAnyOrigin],
-    ring_dims: IndexList[4],
-    qkv: Pointer[Float32, ImmutAnyOrigin],
-    qkv_dims: IndexList[2],
-    decay: Pointer[Float32, ImmutAnyOrigin],
-    decay_dims: IndexList[3],
-    beta: Pointer[Float32, ImmutAnyOrigin],
-    beta_dims: IndexList[2],
-    row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    batch: Int,
-    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    ring_row_ids_len: Int,
-    offsets: Pointer[UInt32, ImmutAnyOrigin],
-    offsets_len: Int,
-    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    previous_ring_row_ids_len: Int,
-    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
-    previous_accepted_len: Int,
-    ctx: DeviceContext,
-) raises:
-    """Checks every operand, then runs each request's window (see window_cpu/gpu).
-
-    `decay_dims` is [T, nv, 1] for a decay per head ([T, nv]), [T, nv, K] with `CHANNEL`
-    (per-channel gates, which run on the GPU's latency kernel whatever GPU_PATH says:
-    the throughput kernel has no per-channel decays)."""
-    check_head_dims[K, V, RING_LEN]()
-    # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
-    # time, and its blocks (two threads per column) are whole warps or one warp at most.
-    comptime assert (
-        COLUMN_TILE >= COPY_FLOATS
-        and COLUMN_TILE % COPY_FLOATS == 0
-        and V % COLUMN_TILE == 0
-        and whole_warps[window_block_threads[COLUMN_TILE]()]()
-    ), "COLUMN_TILE must be 4, 8, 16 or a multiple of 16 that divides V"
-    comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"
-    var num_value_heads = state_dims[1]
+    CHANNEL: Bool,
+](operands: WindowOperands[state_dtype]) raises -> Int:
+    """Raises unless the operands' shapes and lengths agree; returns the key heads nk.
+    The ids and offsets are read on the CPU alone (run_windows)."""
+    var batch = operands.batch
+    var decay_dims = operands.decay_dims
+    var readout_dims = operands.readout_dims
+    var num_value_heads = operands.state_dims[1]
     var num_key_heads: Int
     comptime if RECORD:
-        check_pool_and_ring[K, V, RING_LEN](state_dims, ring_dims)
-        num_key_heads = ring_dims[1]
+        check_pool_and_ring[K, V, RING_LEN](operands.state_dims, operands.ring_dims)
+        num_key_heads = operands.ring_dims[1]
         var expected = 2 * num_key_heads * K + num_value_heads * V
-        if qkv_dims[1] != expected:
+        if operands.qkv_dims[1] != expected:
             raise Error(
-                t"qkv: width {qkv_dims[1]} differs from 2*nk*K + nv*V = {expected}"
+                t"qkv: width {operands.qkv_dims[1]} differs from 2*nk*K + nv*V = {expected}"
             )
     else:
-        check_pool[K, V](state_dims)
-        num_key_heads = key_heads_of_qkv[K, V](qkv_dims[1], num_value_heads)
-    var num_tokens = qkv_dims[0]
+        check_pool[K, V](operands.state_dims)
+        num_key_heads = key_heads_of_qkv[K, V](operands.qkv_dims[1], num_value_heads)
+    var num_tokens = operands.qkv_dims[0]
     comptime DECAYS = K if CHANNEL else 1
-    if decay_dims[0] != num_tokens or decay_dims[1] != num_value_heads or decay_dims[2] != DECAYS:
+    if (
+        decay_dims[0] != num_tokens
+        or decay_dims[1] != num_value_heads
+        or decay_dims[2] != DECAYS
+    ):
         comptime if CHANNEL:
             raise Error(
                 t"decay: expected [{num_tokens}, {num_value_heads}, {K}], got"
@@ -263,49 +226,93 @@ def run_windows[
                 t" [{decay_dims[0]}, {decay_dims[1]}]"
             )
     comptime if CHANNEL and RECORD:
-        check_channel_record_stride[K, V](num_value_heads, num_key_heads, ring_dims[3])
-    if beta_dims[0] != num_tokens or beta_dims[1] != num_value_heads:
+        check_channel_record_stride[K, V](
+            num_value_heads, num_key_heads, operands.ring_dims[3]
+        )
+    if operands.beta_dims[0] != num_tokens or operands.beta_dims[1] != num_value_heads:
         raise Error(
             t"beta: expected [{num_tokens}, {num_value_heads}], got"
-            t" [{beta_dims[0]}, {beta_dims[1]}]"
+            t" [{operands.beta_dims[0]}, {operands.beta_dims[1]}]"
         )
     if readout_dims[0] != num_tokens or readout_dims[1] != num_value_heads * V:
         raise Error(
             t"readout: expected [{num_tokens}, {num_value_heads * V}], got"
             t" [{readout_dims[0]}, {readout_dims[1]}]"
         )
-    check_length("input_row_offsets", offsets_len, batch + 1, "batch + 1")
+    check_length("input_row_offsets", operands.offsets_len, batch + 1, "batch + 1")
     comptime if RECORD:
-        check_length("ring_row_ids", ring_row_ids_len, batch, "the batch of row_ids")
+        check_length(
+            "ring_row_ids", operands.ring_row_ids_len, batch, "the batch of row_ids"
+        )
     comptime if FOLD_PREVIOUS:
         check_length(
-            "previous_ring_row_ids", previous_ring_row_ids_len, batch, "the batch of row_ids"
+            "previous_ring_row_ids", operands.previous_ring_row_ids_len, batch,
+            "the batch of row_ids",
         )
         check_length(
-            "previous_num_accepted", previous_accepted_len, batch, "the batch of row_ids"
+            "previous_num_accepted", operands.previous_accepted_len, batch,
+            "the batch of row_ids",
         )
+    return num_key_heads
+
+
+def run_windows[
+    state_dtype: DType,
+    //,
+    target: StaticString,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    COLUMN_TILE: Int,
+    REQUESTS_PER_BLOCK: Int,
+    GPU_PATH: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+    CHANNEL: Bool = False,
+](operands: WindowOperands[state_dtype], ctx: DeviceContext) raises:
+    """Checks every operand, then runs each request's window (see window_cpu/gpu).
+
+    `CHANNEL` (a decay of [T, nv, K]) runs on the GPU's latency kernel whatever GPU_PATH
+    says: the throughput kernel has no per-channel decays."""
+    check_head_dims[K, V, RING_LEN]()
+    # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
+    # time, and its blocks (two threads per column) are whole warps or one warp at most.
+    comptime assert (
+        COLUMN_TILE >= COPY_FLOATS
+        and COLUMN_TILE % COPY_FLOATS == 0
+        and V % COLUMN_TILE == 0
+        and whole_warps[window_block_threads[COLUMN_TILE]()]()
+    ), "COLUMN_TILE must be 4, 8, 16 or a multiple of 16 that divides V"
+    comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"
+    var num_key_heads = check_window_operands[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL](
+        operands
+    )
     comptime if target == "gpu":
         check_window_gpu(ctx)
+    var batch = operands.batch
+    var num_value_heads = operands.state_dims[1]
     if batch == 0 or num_value_heads == 0:
         return
-    var num_rows = state_dims[0]
-    var num_ring_rows = ring_dims[0]
-    var record_stride = ring_dims[3]
+    var num_tokens = operands.qkv_dims[0]
+    var num_rows = operands.state_dims[0]
+    var num_ring_rows = operands.ring_dims[0]
+    var record_stride = operands.ring_dims[3]
 
     comptime if target == "cpu":
-        check_offsets(offsets, batch, num_tokens)
-        check_ids(row_ids, batch, num_rows, "row_ids")
+        check_offsets(operands.offsets, batch, num_tokens)
+        check_ids(operands.row_ids, batch, num_rows, "row_ids")
         comptime if RECORD:
-            check_ids(ring_row_ids, batch, num_ring_rows, "ring_row_ids")
+            check_ids(operands.ring_row_ids, batch, num_ring_rows, "ring_row_ids")
         comptime if FOLD_PREVIOUS:
-            check_ids(previous_ring_row_ids, batch, num_ring_rows, "previous_ring_row_ids")
-            check_no_ring_overlap[RING_LEN](
-                ring_row_ids, offsets, previous_ring_row_ids, previous_accepted, batch
+            check_ids(
+                operands.previous_ring_row_ids, batch, num_ring_rows, "previous_ring_row_ids"
             )
-        windows_cpu[state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL](
-            readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
-            previous_ring_row_ids, previous_accepted, batch, num_value_heads,
-            num_key_heads, record_stride,
+            check_no_ring_overlap[RING_LEN](
+                operands.ring_row_ids, operands.offsets, operands.previous_ring_row_ids,
+                operands.previous_accepted, batch,
+            )
+        windows_cpu[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL](
+            operands, num_value_heads, num_key_heads, record_stride
         )
     elif target == "gpu":
         comptime assert not (CHANNEL and GPU_PATH == GPU_PATH_THROUGHPUT), (
@@ -322,8 +329,10 @@ def run_windows[
             ]
             var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
             ctx.enqueue_function[warp_kernel](
-                readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
-                previous_ring_row_ids, previous_accepted, Int32(batch), Int32(num_tokens),
+                operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
+                operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
+                operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
+                Int32(num_tokens),
                 Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
                 Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
                 grid_dim=latency_units,
@@ -357,7 +366,7 @@ def run_windows[
         if not claims:
             blocks = ceildiv(units, per_block)
         var counter = Optional[DeviceBuffer[DType.uint32]]()
-        var counter_at = Int(readout)  # never read when the blocks do not claim
+        var counter_at = Int(operands.readout)  # never read when the blocks do not claim
         if claims:
             counter = ctx.enqueue_create_buffer[DType.uint32](1)
             ctx.enqueue_memset(counter.value(), UInt32(0))
@@ -371,7 +380,7 @@ def run_windows[
                 state_map = create_tma_descriptor[
                     state_dtype, 2, TensorMapSwizzle.SWIZZLE_128B
                 ](
-                    DeviceBuffer[state_dtype](ctx, state, head_rows * V, owning=False),
+                    DeviceBuffer[state_dtype](ctx, operands.state, head_rows * V, owning=False),
                     IndexList[2](head_rows, V),
                     IndexList[2](V, 1),
                     IndexList[2](K, box_columns[state_dtype]()),
@@ -380,8 +389,9 @@ def run_windows[
         # (with claims the counter's zeroing would come between them anyway).
         var dependent = not claims and blocks <= sms * DEPENDENT_BLOCKS_PER_SM
         ctx.enqueue_function[kernel](
-            readout, state, ring, qkv, decay, beta, row_ids, ring_row_ids, offsets,
-            previous_ring_row_ids, previous_accepted, unit_counter, state_map,
+            operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
+            operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
+            operands.previous_ring_row_ids, operands.previous_accepted, unit_counter, state_map,
             Int32(1 if claims else 0), Int32(batch), Int32(num_tokens), Int32(num_rows),
             Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
             Int32(record_stride), Int32(1 if dependent else 0),

@@ -1,7 +1,8 @@
 """The window ops, as MAX registers them: the verify (`gdfold_verify_ring`), the verify
 with fold on load (`gdfold_verify_ring_fold_on_load`) and the forward
 (`gdfold_recurrence`), each with head gates and, under a `_channel` name, per-channel
-gates. Each checks its dtypes and hands its operands to run_windows (window_launch.mojo).
+gates. Each gathers its tensors into one WindowOperands (window_operands.mojo) and hands
+them to run_windows (window_launch.mojo).
 
 A verify runs the gated delta recurrence over each request's window of tokens and
 records one ring entry per token instead of writing the pool (a window longer than
@@ -19,9 +20,9 @@ K decays of each value head of the group. On the GPU they run the latency kernel
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
-from std.utils import IndexList
 
-from .window_launch import GPU_PATH_LATENCY, head_decay_dims, run_windows
+from .window_launch import GPU_PATH_LATENCY, run_windows
+from .window_operands import WindowOperands
 
 
 @extensibility.register("gdfold_verify_ring")
@@ -46,25 +47,12 @@ struct VerifyRing:
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        comptime assert (
-            state_dtype == DType.float32 or state_dtype == DType.bfloat16
-        ), "recurrent_state must be float32 or bfloat16"
-        # No previous records: the ring-row table stands in for the unused tables.
-        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, False](
-            readout.unsafe_ptr(), readout.shape(),
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            ring.unsafe_ptr(), ring.shape(),
-            qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), head_decay_dims(decay.shape()),
-            beta.unsafe_ptr(), beta.shape(),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ring_row_ids.unsafe_ptr(), ring_row_ids.dim_size(0),
-            input_row_offsets.unsafe_ptr(), input_row_offsets.dim_size(0),
-            ring_row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ring_row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ctx,
-        )
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids)
+        run_windows[
+            target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, False,
+        ](operands, ctx)
 
 
 @extensibility.register("gdfold_verify_ring_fold_on_load")
@@ -91,24 +79,14 @@ struct VerifyRingFoldOnLoad:
         previous_num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        comptime assert (
-            state_dtype == DType.float32 or state_dtype == DType.bfloat16
-        ), "recurrent_state must be float32 or bfloat16"
-        run_windows[target, state_dtype, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True](
-            readout.unsafe_ptr(), readout.shape(),
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            ring.unsafe_ptr(), ring.shape(),
-            qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), head_decay_dims(decay.shape()),
-            beta.unsafe_ptr(), beta.shape(),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ring_row_ids.unsafe_ptr(), ring_row_ids.dim_size(0),
-            input_row_offsets.unsafe_ptr(), input_row_offsets.dim_size(0),
-            previous_ring_row_ids.unsafe_ptr(), previous_ring_row_ids.dim_size(0),
-            previous_num_accepted.unsafe_ptr(), previous_num_accepted.dim_size(0),
-            ctx,
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids).with_previous(
+            previous_ring_row_ids, previous_num_accepted
         )
+        run_windows[
+            target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True,
+        ](operands, ctx)
 
 
 @extensibility.register("gdfold_recurrence")
@@ -130,39 +108,18 @@ struct Recurrence:
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        comptime assert (
-            state_dtype == DType.float32 or state_dtype == DType.bfloat16
-        ), "recurrent_state must be float32 or bfloat16"
-        # There is no ring: the readout and the row table stand in for the ring
-        # operands (pointers cannot be null), which the kernels never touch when
-        # recording is off.
-        run_windows[target, state_dtype, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, False, False](
-            readout.unsafe_ptr(), readout.shape(),
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            readout.unsafe_ptr(), IndexList[4](0, 0, 1, 0),
-            qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), head_decay_dims(decay.shape()),
-            beta.unsafe_ptr(), beta.shape(),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            input_row_offsets.unsafe_ptr(), input_row_offsets.dim_size(0),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ctx,
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         )
+        run_windows[
+            target, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, False, False,
+        ](operands, ctx)
 
 
 # The throughput kernel's tiling, which run_windows checks at compile time; per-channel
 # gates never run that kernel.
 comptime UNUSED_COLUMN_TILE = 8
 comptime UNUSED_REQUESTS_PER_BLOCK = 0
-
-
-def check_pool_dtype[state_dtype: DType]():
-    comptime assert (
-        state_dtype == DType.float32 or state_dtype == DType.bfloat16
-    ), "recurrent_state must be float32 or bfloat16"
 
 
 @extensibility.register("gdfold_verify_ring_channel")
@@ -184,25 +141,13 @@ struct VerifyRingChannel:
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        check_pool_dtype[state_dtype]()
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids)
         run_windows[
-            target, state_dtype, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
+            target, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
             GPU_PATH_LATENCY, True, False, True,
-        ](
-            readout.unsafe_ptr(), readout.shape(),
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            ring.unsafe_ptr(), ring.shape(),
-            qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), decay.shape(),
-            beta.unsafe_ptr(), beta.shape(),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ring_row_ids.unsafe_ptr(), ring_row_ids.dim_size(0),
-            input_row_offsets.unsafe_ptr(), input_row_offsets.dim_size(0),
-            ring_row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ring_row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ctx,
-        )
+        ](operands, ctx)
 
 
 @extensibility.register("gdfold_verify_ring_fold_on_load_channel")
@@ -226,25 +171,15 @@ struct VerifyRingFoldOnLoadChannel:
         previous_num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        check_pool_dtype[state_dtype]()
-        run_windows[
-            target, state_dtype, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_LATENCY, True, True, True,
-        ](
-            readout.unsafe_ptr(), readout.shape(),
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            ring.unsafe_ptr(), ring.shape(),
-            qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), decay.shape(),
-            beta.unsafe_ptr(), beta.shape(),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ring_row_ids.unsafe_ptr(), ring_row_ids.dim_size(0),
-            input_row_offsets.unsafe_ptr(), input_row_offsets.dim_size(0),
-            previous_ring_row_ids.unsafe_ptr(), previous_ring_row_ids.dim_size(0),
-            previous_num_accepted.unsafe_ptr(), previous_num_accepted.dim_size(0),
-            ctx,
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids).with_previous(
+            previous_ring_row_ids, previous_num_accepted
         )
+        run_windows[
+            target, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
+            GPU_PATH_LATENCY, True, True, True,
+        ](operands, ctx)
 
 
 @extensibility.register("gdfold_recurrence_channel")
@@ -264,24 +199,10 @@ struct RecurrenceChannel:
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
-        comptime state_dtype = recurrent_state.dtype
-        check_pool_dtype[state_dtype]()
-        # No ring: the readout and the row table stand in for the ring operands, which
-        # the kernels never touch when recording is off (as gdfold_recurrence does).
-        run_windows[
-            target, state_dtype, K, V, 1, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_LATENCY, False, False, True,
-        ](
-            readout.unsafe_ptr(), readout.shape(),
-            recurrent_state.unsafe_ptr(), recurrent_state.shape(),
-            readout.unsafe_ptr(), IndexList[4](0, 0, 1, 0),
-            qkv.unsafe_ptr(), qkv.shape(),
-            decay.unsafe_ptr(), decay.shape(),
-            beta.unsafe_ptr(), beta.shape(),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            input_row_offsets.unsafe_ptr(), input_row_offsets.dim_size(0),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            row_ids.unsafe_ptr(), row_ids.dim_size(0),
-            ctx,
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         )
+        run_windows[
+            target, K, V, 1, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
+            GPU_PATH_LATENCY, False, False, True,
+        ](operands, ctx)

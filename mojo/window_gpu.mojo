@@ -155,6 +155,173 @@ def folded_state_rounded[
     return stored^
 
 
+@always_inline
+def lane_start[K: Int](buffer: SharedFloats, row: Int, lane: Int) -> SharedFloats:
+    """Where lane `lane` of vector `row` of a lane-major buffer starts. A lane's elements
+    are read four at a time (16-byte loads, lane_vector) right where they are used, not
+    held: registers go to the state."""
+    return buffer.unsafe_offset((row * REDUCTION_LANES + lane) * permuted_pitch[K]())
+
+
+@always_inline
+def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
+    """Elements 4j .. 4j + 3 of a lane's run (lane_start)."""
+    return lane_values.unsafe_load[width=4, alignment=16](4 * j)
+
+
+@always_inline
+def tile_token[
+    ROWS: Int, //, K: Int
+](
+    mut held: Array[Columns, ROWS],
+    mut pending_out: Columns,
+    scalars: SharedFloats,
+    keys: SharedFloats,
+    queries: SharedFloats,
+    values: SharedFloats,
+    c: Int,
+    value_at: Int,
+    lane: Int,
+) -> Tuple[Float32, Float32]:
+    """Staged token c on the held tile: decays the state, adds k u^T and leaves this
+    thread's partial readout sums in `pending_out`. Returns the whole readout of the
+    token before, whose sums (`pending_out` as it came in) finish here so that their
+    shuffles overlap this token's arithmetic, and the delta u of this lane's column
+    (value_at: its value in `values`)."""
+    comptime LANE_VECTORS = ceildiv(ROWS, 4)
+    var token_scalars_c = scalars.unsafe_load[width=TOKEN_SCALARS, alignment=16](
+        c * TOKEN_SCALARS
+    )
+    var d = token_scalars_c[DECAY_AT]
+    var b = token_scalars_c[BETA_AT]
+    var inv_k = token_scalars_c[INVERSE_KEY_NORM_AT]
+    var k_lane = lane_start[K](keys, c, lane)
+    var q_lane = lane_start[K](queries, c, lane)
+    var previous_o = column_sum(pending_out, lane)
+    # kv = S^T k on the decayed state.
+    var partial = Columns(0.0)
+    comptime for j in range(LANE_VECTORS):
+        var k4 = lane_vector(k_lane, j)
+        comptime for e in range(min(4, ROWS - 4 * j)):
+            held[4 * j + e] = held[4 * j + e] * d
+            partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+    var kv = column_sum(partial, lane)
+    var v = values[unsafe_offset=value_at]
+    var error = fma(-kv, inv_k, v)
+    var u = (b * error) * inv_k
+    var u_columns = gather_columns(u, lane)
+    # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
+    var out = Columns(0.0)
+    comptime for j in range(LANE_VECTORS):
+        var k4 = lane_vector(k_lane, j)
+        var q4 = lane_vector(q_lane, j)
+        comptime for e in range(min(4, ROWS - 4 * j)):
+            held[4 * j + e] = fma(Columns(k4[e]), u_columns, held[4 * j + e])
+            out = fma(held[4 * j + e], Columns(q4[e]), out)
+    pending_out = out
+    return (previous_o, u)
+
+
+@always_inline
+def fold_staged_records[
+    ROWS: Int, //, K: Int, COLUMN_TILE: Int
+](
+    mut held: Array[Columns, ROWS],
+    record_keys: SharedFloats,
+    record_deltas: SharedFloats,
+    record_decays: SharedFloats,
+    count: Int,
+    tile_column: Int,
+    lane: Int,
+):
+    """Applies `count` staged records (keys in lane-major order) to the held tile, in
+    order, as the fold does: S = S * decay + k u^T."""
+    comptime LANE_VECTORS = ceildiv(ROWS, 4)
+    for t in range(count):
+        var d = record_decays[unsafe_offset=t]
+        var u = record_deltas.unsafe_load[width=COLUMN_VECTOR, alignment=16](
+            t * COLUMN_TILE + tile_column
+        )
+        var k_lane = lane_start[K](record_keys, t, lane)
+        comptime for j in range(LANE_VECTORS):
+            var k4 = lane_vector(k_lane, j)
+            comptime for e in range(min(4, ROWS - 4 * j)):
+                held[4 * j + e] = fma(Columns(k4[e]), u, held[4 * j + e] * d)
+
+
+@always_inline
+def write_chunk_records[
+    K: Int, V: Int, THREADS: Int
+](
+    ring: Pointer[Float32, MutAnyOrigin],
+    first: Int,
+    record_stride: Int,
+    count: Int,
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+    group_size: Int,
+    group_slot: Int,
+    tid: Int,
+):
+    """The records' raw keys (once per key head: the group's first value head writes
+    them) and decays (once per value head) of a staged chunk of `count` tokens, the
+    first at `first` in the ring; the deltas leave through the outbox."""
+    comptime NATURAL = natural_pitch[K]()
+    if tid < count:
+        ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
+            group_size, group_slot
+        )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
+    if group_slot == 0:
+        comptime KEY_VECTORS = K // COPY_FLOATS
+        for i in range(tid, count * KEY_VECTORS, THREADS):
+            var c = quotient[KEY_VECTORS](i)
+            var at = remainder[KEY_VECTORS](i) * COPY_FLOATS
+            ring.unsafe_store[alignment=16](
+                first + c * record_stride + key_offset() + at,
+                pairs.unsafe_load[width=COPY_FLOATS, alignment=16](
+                    (2 * c + 1) * NATURAL + at
+                ),
+            )
+
+
+@always_inline
+def stage_tokens[
+    K: Int, V: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
+](
+    pairs: SharedFloats,
+    values: SharedFloats,
+    scalars: SharedFloats,
+    queries: SharedFloats,
+    keys: SharedFloats,
+    record_keys: SharedFloats,
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    first: Int,
+    count: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    tile_start: Int,
+    tid: Int,
+):
+    """Copies `count` tokens from token `first` into the block's buffers and, once every
+    thread's copies have landed, puts q and k in lane-major order with their norms
+    (stage_lane_major). The block's threads call it together."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    copy_tokens_async[K, V, COLUMN_TILE, THREADS](
+        pairs, values, scalars, qkv, decay, beta, first, count, num_key_heads, key_head,
+        num_value_heads, value_head, tile_start, tid,
+    )
+    async_copy_commit_group()
+    async_copy_wait_all()
+    barrier()
+    stage_lane_major[K, THREADS, FOLD_PREVIOUS](
+        pairs, queries, keys, count, scalars, record_keys, record_keys, 0, tid
+    )
+
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -205,9 +372,7 @@ def windows_gpu_kernel[
     comptime ROWS = K // REDUCTION_LANES
     comptime THREADS = window_block_threads[COLUMN_TILE]()
     comptime CHUNK = WINDOW_CHUNK
-    comptime LANE_PITCH = permuted_pitch[K]()
     comptime LANE_MAJOR = lane_major_floats[K]()
-    comptime LANE_VECTORS = ceildiv(ROWS, 4)
     comptime assert (
         window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
         and window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]()
@@ -451,17 +616,6 @@ def windows_gpu_kernel[
             )
         async_copy_commit_group()
 
-    # Where the thread's lane of vector `row` of a lane-major buffer starts. A lane's
-    # elements are read four at a time (16-byte loads) right where they are used, not
-    # held: registers go to the state.
-    @always_inline
-    def lane_start(buffer: SharedFloats, row: Int) {imm} -> SharedFloats:
-        return buffer.unsafe_offset((row * REDUCTION_LANES + lane) * LANE_PITCH)
-
-    @always_inline
-    def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
-        return lane_values.unsafe_load[width=4, alignment=16](4 * j)
-
     # Launched as a programmatic dependent (`dependent`, window_launch.mojo: launches of
     # one block per SM at most), the block may start while the kernel before it on the
     # stream still runs, possibly writing the pool, the ring or the tables. Until it
@@ -578,7 +732,9 @@ def windows_gpu_kernel[
 
         # Sends a chunk's outbox on to the readout and the ring: each warp the columns
         # it wrote, so that it waits for itself alone; the raw keys and decays come
-        # from the staged tokens.
+        # from the staged tokens. A closure, not a function of its own: with what it
+        # captures passed as arguments the fold on load compiles to other PTX (the same
+        # instructions, other registers), and the kernel's code stays as measured.
         @always_inline
         def send_outbox(
             plan: RequestPlan, chunk_start: Int, count: Int, record_row_base: Int
@@ -612,22 +768,10 @@ def windows_gpu_kernel[
                     )
             comptime if RECORD:
                 if records and tile == 0:
-                    var first = (record_row_base + chunk_start - plan.start) * record_stride
-                    if tid < count:
-                        ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
-                            group_size, group_slot
-                        )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
-                    if group_slot == 0:
-                        comptime KEY_VECTORS = K // COPY_FLOATS
-                        for i in range(tid, count * KEY_VECTORS, THREADS):
-                            var c = quotient[KEY_VECTORS](i)
-                            var at = remainder[KEY_VECTORS](i) * COPY_FLOATS
-                            ring.unsafe_store[alignment=16](
-                                first + c * record_stride + key_offset() + at,
-                                pairs.unsafe_load[width=COPY_FLOATS, alignment=16](
-                                    (2 * c + 1) * NATURAL + at
-                                ),
-                            )
+                    write_chunk_records[K, V, THREADS](
+                        ring, (record_row_base + chunk_start - plan.start) * record_stride,
+                        record_stride, count, pairs, scalars, group_size, group_slot, tid,
+                    )
 
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
@@ -672,18 +816,9 @@ def windows_gpu_kernel[
                             count, tid,
                         )
                         barrier()
-                    for t in range(count):
-                        var d = rdecays[unsafe_offset=t]
-                        var u = rdeltas.unsafe_load[width=COLUMN_VECTOR, alignment=16](
-                            t * COLUMN_TILE + tile_column
-                        )
-                        var k_lane = lane_start(record_keys, t)
-                        comptime for j in range(LANE_VECTORS):
-                            var k4 = lane_vector(k_lane, j)
-                            comptime for e in range(min(4, ROWS - 4 * j)):
-                                held[4 * j + e] = fma(
-                                    Columns(k4[e]), u, held[4 * j + e] * d
-                                )
+                    fold_staged_records[K, COLUMN_TILE](
+                        held, record_keys, rdeltas, rdecays, count, tile_column, lane
+                    )
                 if folds_in_chunks(plan) and next < units:
                     # The last chunk's keys are in lane-major order: the keys' buffer is
                     # free for the next unit's.
@@ -729,52 +864,22 @@ def windows_gpu_kernel[
             var count = min(CHUNK, plan.end - chunk_start)
             if chunk_start > plan.start:
                 barrier()  # done with the previous chunk of tokens and its norms
-                copy_tokens_async[K, V, COLUMN_TILE, THREADS](
-                    pairs, values, scalars, qkv, decay, beta, chunk_start,
-                    count, num_key_heads, key_head, num_value_heads, value_head,
-                    tile_start, tid,
-                )
-                async_copy_commit_group()
-                async_copy_wait_all()
-                barrier()
-                stage_lane_major[K, THREADS, FOLD_PREVIOUS](
-                    pairs, queries, keys, count, scalars, record_keys, record_keys, 0, tid
+                stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS](
+                    pairs, values, scalars, queries, keys, record_keys, qkv, decay, beta,
+                    chunk_start, count, num_key_heads, key_head, num_value_heads,
+                    value_head, tile_start, tid,
                 )
                 barrier()
             # The readout sums of token c are finished while token c + 1 computes: their
             # shuffles then overlap its arithmetic instead of stalling the warp.
             var pending_out = Columns(0.0)
             for c in range(count):
-                var token_scalars_c = scalars.unsafe_load[width=TOKEN_SCALARS, alignment=16](
-                    c * TOKEN_SCALARS
+                var readout_and_delta = tile_token[K](
+                    held, pending_out, scalars, keys, queries, values, c,
+                    c * COLUMN_TILE + tile_column + slot, lane,
                 )
-                var d = token_scalars_c[DECAY_AT]
-                var b = token_scalars_c[BETA_AT]
-                var inv_k = token_scalars_c[INVERSE_KEY_NORM_AT]
-                var k_lane = lane_start(keys, c)
-                var q_lane = lane_start(queries, c)
-                var previous_o = column_sum(pending_out, lane)
-                # kv = S^T k on the decayed state.
-                var partial = Columns(0.0)
-                comptime for j in range(LANE_VECTORS):
-                    var k4 = lane_vector(k_lane, j)
-                    comptime for e in range(min(4, ROWS - 4 * j)):
-                        held[4 * j + e] = held[4 * j + e] * d
-                        partial = fma(held[4 * j + e], Columns(k4[e]), partial)
-                var kv = column_sum(partial, lane)
-                var v = values[unsafe_offset=c * COLUMN_TILE + tile_column + slot]
-                var error = fma(-kv, inv_k, v)
-                var u = (b * error) * inv_k
-                var u_columns = gather_columns(u, lane)
-                # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
-                var out = Columns(0.0)
-                comptime for j in range(LANE_VECTORS):
-                    var k4 = lane_vector(k_lane, j)
-                    var q4 = lane_vector(q_lane, j)
-                    comptime for e in range(min(4, ROWS - 4 * j)):
-                        held[4 * j + e] = fma(Columns(k4[e]), u_columns, held[4 * j + e])
-                        out = fma(held[4 * j + e], Columns(q4[e]), out)
-                pending_out = out
+                var previous_o = readout_and_delta[0]
+                var u = readout_and_delta[1]
                 if c > 0:
                     post(2 * (c - 1), previous_o)
                 comptime if RECORD:

@@ -151,6 +151,333 @@ def prefetch_record_lines[
         prefetch_l2(ring.unsafe_offset(at))
 
 
+struct SlabStaging[K: Int, V: Int, CV: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool](
+    ImplicitlyCopyable
+):
+    """The warp's shared memory: a chunk of tokens (q and k as they arrive, the slab's
+    value columns, decay and beta; per-channel, their K decays) and a chunk of records
+    (keys, the slab's deltas, a decay or K of each), and the copies that fill them."""
+
+    comptime SLAB = latency_slab_columns[Self.CV]()
+    comptime CHUNK = WINDOW_CHUNK
+    comptime NATURAL = natural_pitch[Self.K]()
+
+    var pairs: SharedFloats
+    var values: SharedFloats
+    var scalars: SharedFloats
+    var record_keys: SharedFloats
+    var record_deltas: SharedFloats
+    var record_decays: SharedFloats
+    var token_decays: SharedFloats
+
+    @always_inline
+    def __init__(
+        out self,
+        pairs: SharedFloats,
+        values: SharedFloats,
+        scalars: SharedFloats,
+        record_keys: SharedFloats,
+        record_deltas: SharedFloats,
+        record_decays: SharedFloats,
+        token_decays: SharedFloats,
+    ):
+        self.pairs = pairs
+        self.values = values
+        self.scalars = scalars
+        self.record_keys = record_keys
+        self.record_deltas = record_deltas
+        self.record_decays = record_decays
+        self.token_decays = token_decays
+
+    @always_inline
+    def copy_tokens(
+        self,
+        qkv: Pointer[Float32, ImmutAnyOrigin],
+        decay: Pointer[Float32, ImmutAnyOrigin],
+        beta: Pointer[Float32, ImmutAnyOrigin],
+        first: Int,
+        count: Int,
+        num_key_heads: Int,
+        key_head: Int,
+        num_value_heads: Int,
+        value_head: Int,
+        slab_start: Int,
+        tid: Int,
+    ):
+        """Starts the copies of `count` tokens from token `first`: q and k of key head
+        `key_head`, the slab's value columns, decays and betas of `value_head`."""
+        var qkv_width = 2 * num_key_heads * Self.K + num_value_heads * Self.V
+        var token = first * qkv_width
+        copy_rows_async[Self.K, Self.CHUNK, WARP_THREADS, 2 * Self.NATURAL](
+            self.pairs, qkv, token + key_head * Self.K, qkv_width, count, tid
+        )
+        copy_rows_async[Self.K, Self.CHUNK, WARP_THREADS, 2 * Self.NATURAL](
+            self.pairs.unsafe_offset(Self.NATURAL), qkv,
+            token + (num_key_heads + key_head) * Self.K, qkv_width, count, tid,
+        )
+        copy_rows_async[Self.SLAB, Self.CHUNK, WARP_THREADS](
+            self.values, qkv,
+            token + 2 * num_key_heads * Self.K + value_head * Self.V + slab_start,
+            qkv_width, count, tid,
+        )
+        var at = first * num_value_heads + value_head
+        comptime if Self.CHANNEL:
+            copy_rows_async[Self.K, Self.CHUNK, WARP_THREADS](
+                self.token_decays, decay, at * Self.K, num_value_heads * Self.K, count, tid
+            )
+        else:
+            copy_scalars_async(
+                self.scalars.unsafe_offset(DECAY_AT), decay, at, num_value_heads, count,
+                tid, TOKEN_SCALARS,
+            )
+        copy_scalars_async(
+            self.scalars.unsafe_offset(BETA_AT), beta, at, num_value_heads, count, tid,
+            TOKEN_SCALARS,
+        )
+
+    @always_inline
+    def copy_records(
+        self,
+        ring: Pointer[Float32, MutAnyOrigin],
+        base: Int,
+        record_stride: Int,
+        count: Int,
+        group_size: Int,
+        group_slot: Int,
+        slab_start: Int,
+        tid: Int,
+    ):
+        """Starts the copies of `count` records from the one at `base` in the ring: the
+        keys, the slab's delta columns and the decays of value head slot `group_slot`."""
+        copy_rows_async[Self.K, Self.CHUNK, WARP_THREADS, Self.NATURAL](
+            self.record_keys, ring, base + key_offset(), record_stride, count, tid
+        )
+        copy_rows_async[Self.SLAB, Self.CHUNK, WARP_THREADS](
+            self.record_deltas, ring,
+            base + delta_offset[Self.K, Self.V](group_slot) + slab_start,
+            record_stride, count, tid,
+        )
+        comptime if Self.CHANNEL:
+            copy_rows_async[Self.K, Self.CHUNK, WARP_THREADS](
+                self.record_decays, ring,
+                base + channel_decay_offset[Self.K, Self.V](group_size, group_slot),
+                record_stride, count, tid,
+            )
+        else:
+            copy_scalars_async(
+                self.record_decays, ring,
+                base + decay_offset[Self.K, Self.V](group_size, group_slot),
+                record_stride, count, tid,
+            )
+
+
+@always_inline
+def lane_values[
+    ROWS: Int
+](buffer: SharedFloats, at: Int, lane: Int) -> Array[Float32, ROWS]:
+    """Lane p's elements p, p + 8, ... of the K-vector at `at` of a staged buffer."""
+    var x = Array[Float32, ROWS](uninitialized=True)
+    comptime for m in range(ROWS):
+        x[m] = buffer[unsafe_offset=at + m * REDUCTION_LANES + lane]
+    return x^
+
+
+@always_inline
+def lane_decays[
+    K: Int, CHANNEL: Bool
+](buffer: SharedFloats, t: Int, lane: Int) -> Array[Float32, K // REDUCTION_LANES]:
+    """The decays of entry `t` of a staged buffer for this lane's rows: one for every
+    row, or (per-channel gates) row m * 8 + lane's own."""
+    comptime if CHANNEL:
+        return lane_values[K // REDUCTION_LANES](buffer, t * K, lane)
+    else:
+        return Array[Float32, K // REDUCTION_LANES](fill=buffer[unsafe_offset=t])
+
+
+@always_inline
+def token_lane_decays[
+    K: Int, CHANNEL: Bool
+](token_decays: SharedFloats, scalars: SharedFloats, c: Int, lane: Int) -> Array[
+    Float32, K // REDUCTION_LANES
+]:
+    """Token c's decays for this lane's rows, as lane_decays: per channel from the
+    tokens' decays, else the one in its scalars."""
+    comptime if CHANNEL:
+        return lane_values[K // REDUCTION_LANES](token_decays, c * K, lane)
+    else:
+        return Array[Float32, K // REDUCTION_LANES](
+            fill=scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT]
+        )
+
+
+@always_inline
+def chunk_norms[
+    CHUNK: Int, //, K: Int
+](
+    pairs: SharedFloats,
+    count: Int,
+    lane: Int,
+    mut inverse_key_norms: Array[Float32, CHUNK],
+    mut query_scales: Array[Float32, CHUNK],
+):
+    """The staged chunk's norms, once for all its tokens: 1/|k| and q's scale
+    1/|q| * 1/sqrt(K)."""
+    comptime ROWS = K // REDUCTION_LANES
+    comptime NATURAL = natural_pitch[K]()
+    comptime scale = query_scale[K]()
+    comptime for c in range(CHUNK):
+        if c < count:
+            var k = lane_values[ROWS](pairs, (2 * c + 1) * NATURAL, lane)
+            var q = lane_values[ROWS](pairs, 2 * c * NATURAL, lane)
+            var k_squares = Float32(0.0)
+            var q_squares = Float32(0.0)
+            comptime for m in range(ROWS):
+                k_squares = fma(k[m], k[m], k_squares)
+                q_squares = fma(q[m], q[m], q_squares)
+            inverse_key_norms[c] = Float32(1.0) / rounded_sqrt(lane_sum(k_squares) + L2_EPS)
+            query_scales[c] = (
+                Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)
+            ) * scale
+
+
+@always_inline
+def slab_token[
+    ROWS: Int, CV: Int, //, K: Int, CHANNEL: Bool
+](
+    mut held: Array[SIMD[DType.float32, CV], ROWS],
+    pairs: SharedFloats,
+    values: SharedFloats,
+    scalars: SharedFloats,
+    token_decays: SharedFloats,
+    c: Int,
+    inv_k: Float32,
+    q_scale: Float32,
+    value_at: Int,
+    lane: Int,
+) -> Tuple[Float32, Float32]:
+    """Staged token c on the held slab: decays the state, adds k u^T, and returns the
+    readout o and the delta u of this lane's column (value_at: its value in `values`)."""
+    comptime NATURAL = natural_pitch[K]()
+    comptime Columns = SIMD[DType.float32, CV]
+    var d = token_lane_decays[K, CHANNEL](token_decays, scalars, c, lane)
+    var b = scalars[unsafe_offset=c * TOKEN_SCALARS + BETA_AT]
+    var k = lane_values[ROWS](pairs, (2 * c + 1) * NATURAL, lane)
+    # kv = S^T k on the decayed state.
+    var partial = Columns(0.0)
+    comptime for m in range(ROWS):
+        held[m] = held[m] * d[m]
+        partial = fma(held[m], Columns(k[m]), partial)
+    var kv = slab_column_sum[CV](partial, lane)
+    var v = values[unsafe_offset=value_at]
+    var u = (b * fma(-kv, inv_k, v)) * inv_k
+    var u_columns = slab_gather[CV](u, lane)
+    # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
+    var q = lane_values[ROWS](pairs, 2 * c * NATURAL, lane)
+    var out = Columns(0.0)
+    comptime for m in range(ROWS):
+        held[m] = fma(Columns(k[m]), u_columns, held[m])
+        out = fma(held[m], Columns(q[m] * q_scale), out)
+    return (slab_column_sum[CV](out, lane), u)
+
+
+@always_inline
+def write_chunk_records[
+    K: Int, V: Int, CHANNEL: Bool
+](
+    ring: Pointer[Float32, MutAnyOrigin],
+    first: Int,
+    record_stride: Int,
+    count: Int,
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+    token_decays: SharedFloats,
+    group_size: Int,
+    group_slot: Int,
+    tid: Int,
+):
+    """The records' raw keys (once per key head: the group's first value head writes
+    them) and decays (once per value head) of a staged chunk of `count` tokens, the
+    first at `first` in the ring; the deltas leave with the tokens."""
+    comptime NATURAL = natural_pitch[K]()
+    comptime KEY_VECTORS = K // COPY_FLOATS
+    comptime if CHANNEL:
+        for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
+            var c = i // KEY_VECTORS
+            var at = (i % KEY_VECTORS) * COPY_FLOATS
+            ring.unsafe_store[alignment=16](
+                first + c * record_stride
+                + channel_decay_offset[K, V](group_size, group_slot) + at,
+                token_decays.unsafe_load[width=COPY_FLOATS, alignment=16](
+                    c * K + at
+                ),
+            )
+    else:
+        if tid < count:
+            ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
+                group_size, group_slot
+            )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
+    if group_slot == 0:
+        for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
+            var c = i // KEY_VECTORS
+            var at = (i % KEY_VECTORS) * COPY_FLOATS
+            ring.unsafe_store[alignment=16](
+                first + c * record_stride + key_offset() + at,
+                pairs.unsafe_load[width=COPY_FLOATS, alignment=16](
+                    (2 * c + 1) * NATURAL + at
+                ),
+            )
+
+
+@always_inline
+def fold_staged_records[
+    ROWS: Int, CV: Int, V: Int, FOLD_PREVIOUS: Bool, //, K: Int, CHANNEL: Bool
+](
+    mut held: Array[SIMD[DType.float32, CV], ROWS],
+    staged: SlabStaging[K, V, CV, FOLD_PREVIOUS, CHANNEL],
+    count: Int,
+    column: Int,
+    lane: Int,
+):
+    """Applies the `count` staged records to the held state, in order, as the fold
+    does: S = S * decay + k u^T (`column`: the thread's first column in the slab)."""
+    comptime NATURAL = natural_pitch[K]()
+    comptime SLAB = latency_slab_columns[CV]()
+    for t in range(count):
+        var d = lane_decays[K, CHANNEL](staged.record_decays, t, lane)
+        var u = staged.record_deltas.unsafe_load[width=CV, alignment=CV * 4](
+            t * SLAB + column
+        )
+        var k = lane_values[ROWS](staged.record_keys, t * NATURAL, lane)
+        comptime for m in range(ROWS):
+            held[m] = fma(SIMD[DType.float32, CV](k[m]), u, held[m] * d[m])
+
+
+@always_inline
+def hint_slab_rows[
+    state_dtype: DType, //, K: Int, V: Int
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    request: Int,
+    num_rows: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    slab_start: Int,
+    group_column: Int,
+    lane: Int,
+):
+    """Asks L2 for the thread's state rows of the slab, at the row id as it is now."""
+    comptime ROWS = K // REDUCTION_LANES
+    var hinted_row = Int(load_hint(row_ids.unsafe_offset(request)))
+    if hinted_row < num_rows:
+        var hinted_rows = state.unsafe_offset(
+            hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V
+            + slab_start + group_column
+        )
+        comptime for m in range(ROWS):
+            prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
+
+
 @__llvm_metadata(
     MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
 )
@@ -194,7 +521,6 @@ def windows_gpu_latency_kernel[
     comptime ROW_BYTES = CV * size_of[state_dtype]()
     comptime Columns = SIMD[DType.float32, CV]
     comptime assert V % SLAB == 0, "the slabs must divide V"
-    comptime scale = query_scale[K]()
     var num_value_heads = Int(num_value_heads_i32)
     var num_key_heads = Int(num_key_heads_i32)
     var record_stride = Int(record_stride_i32)
@@ -228,14 +554,12 @@ def windows_gpu_latency_kernel[
     var num_rows = Int(num_rows_i32)
     var num_ring_rows = Int(num_ring_rows_i32)
     if dependent_i32 != 0:
-        var hinted_row = Int(load_hint(row_ids.unsafe_offset(request)))
-        if hinted_row < num_rows:
-            var hinted_rows = state.unsafe_offset(
-                hinted_row * (num_value_heads * K * V) + value_head * K * V + lane * V
-                + slab_start + group_column
-            )
-            comptime for m in range(ROWS):
-                prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
+        hint_slab_rows[K, V](
+            state, row_ids, request, num_rows, num_value_heads, value_head, slab_start,
+            group_column, lane,
+        )
+        # Inline, not a function beside hint_slab_rows: as one the fold on load
+        # compiles to other PTX (the same instructions, other registers).
         comptime if FOLD_PREVIOUS:
             var hinted_count = Int(load_hint(previous_accepted.unsafe_offset(request)))
             var hinted_ring_row = Int(load_hint(previous_ring_row_ids.unsafe_offset(request)))
@@ -281,95 +605,38 @@ def windows_gpu_latency_kernel[
                         + group_column + slot] = nan[DType.float32]()
         return
 
-    # The warp's shared memory: a chunk of tokens (q and k as they arrive, the unit's
-    # value columns, decay and beta) and a chunk of records (keys, deltas, decays).
+    # The warp's shared memory (SlabStaging), allocated here: allocated in SlabStaging's
+    # constructor, the buffers compile to other PTX.
     var pairs = shared_floats[CHUNK * 2 * NATURAL]()
     var values = shared_floats[CHUNK * SLAB]()
     var scalars = shared_floats[CHUNK * TOKEN_SCALARS]()
     var record_keys = shared_floats[(CHUNK * NATURAL if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
     var record_deltas = shared_floats[(CHUNK * SLAB if FOLD_PREVIOUS else 0) + COPY_FLOATS]()
-    # A decay per record, or (per-channel gates) K of them; the tokens' K decays too.
     comptime DECAYS = K if CHANNEL else 1
     var record_decays = shared_floats[CHUNK * DECAYS + COPY_FLOATS]()
     var token_decays = shared_floats[(CHUNK * K if CHANNEL else 0) + COPY_FLOATS]()
+    var staged = SlabStaging[K, V, CV, FOLD_PREVIOUS, CHANNEL](
+        pairs, values, scalars, record_keys, record_deltas, record_decays, token_decays
+    )
 
+    # The pass calls the copies through these closures: with the methods called
+    # directly (and the coordinates in a struct) every latency kernel compiled to
+    # other PTX.
     @always_inline
     def copy_tokens(first: Int, count: Int) {imm}:
-        var qkv_width = 2 * num_key_heads * K + num_value_heads * V
-        var token = first * qkv_width
-        copy_rows_async[K, CHUNK, WARP_THREADS, 2 * NATURAL](
-            pairs, qkv, token + key_head * K, qkv_width, count, tid
-        )
-        copy_rows_async[K, CHUNK, WARP_THREADS, 2 * NATURAL](
-            pairs.unsafe_offset(NATURAL), qkv, token + (num_key_heads + key_head) * K,
-            qkv_width, count, tid,
-        )
-        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
-            values, qkv, token + 2 * num_key_heads * K + value_head * V + slab_start,
-            qkv_width, count, tid,
-        )
-        var at = first * num_value_heads + value_head
-        comptime if CHANNEL:
-            copy_rows_async[K, CHUNK, WARP_THREADS](
-                token_decays, decay, at * K, num_value_heads * K, count, tid
-            )
-        else:
-            copy_scalars_async(
-                scalars.unsafe_offset(DECAY_AT), decay, at, num_value_heads, count, tid,
-                TOKEN_SCALARS,
-            )
-        copy_scalars_async(
-            scalars.unsafe_offset(BETA_AT), beta, at, num_value_heads, count, tid,
-            TOKEN_SCALARS,
+        staged.copy_tokens(
+            qkv, decay, beta, first, count, num_key_heads, key_head, num_value_heads,
+            value_head, slab_start, tid,
         )
 
     var records_at = first_record_at[RING_LEN](previous_row, num_key_heads, key_head, record_stride)
 
     @always_inline
     def copy_records(first: Int, count: Int) {imm}:
-        var base = records_at + first * record_stride
-        copy_rows_async[K, CHUNK, WARP_THREADS, NATURAL](
-            record_keys, ring, base + key_offset(), record_stride, count, tid
+        staged.copy_records(
+            ring, records_at + first * record_stride, record_stride, count, group_size,
+            group_slot, slab_start, tid,
         )
-        copy_rows_async[SLAB, CHUNK, WARP_THREADS](
-            record_deltas, ring, base + delta_offset[K, V](group_slot) + slab_start,
-            record_stride, count, tid,
-        )
-        comptime if CHANNEL:
-            copy_rows_async[K, CHUNK, WARP_THREADS](
-                record_decays, ring, base + channel_decay_offset[K, V](group_size, group_slot),
-                record_stride, count, tid,
-            )
-        else:
-            copy_scalars_async(
-                record_decays, ring, base + decay_offset[K, V](group_size, group_slot),
-                record_stride, count, tid,
-            )
-
-    # Lane p's elements p, p + 8, ... of the K-vector at `at` of a staged buffer.
-    @always_inline
-    def lane_values(buffer: SharedFloats, at: Int) {imm} -> Array[Float32, ROWS]:
-        var x = Array[Float32, ROWS](uninitialized=True)
-        comptime for m in range(ROWS):
-            x[m] = buffer[unsafe_offset=at + m * REDUCTION_LANES + lane]
-        return x^
-
-    # The decays of entry `t` of a staged buffer for this lane's rows: one for every
-    # row, or (per-channel gates) row m * 8 + lane's own.
-    @always_inline
-    def lane_decays(buffer: SharedFloats, t: Int) {imm} -> Array[Float32, ROWS]:
-        comptime if CHANNEL:
-            return lane_values(buffer, t * K)
-        else:
-            return Array[Float32, ROWS](fill=buffer[unsafe_offset=t])
-
-    # Token c's decays for this lane's rows, as lane_decays.
-    @always_inline
-    def token_lane_decays(c: Int) {imm} -> Array[Float32, ROWS]:
-        comptime if CHANNEL:
-            return lane_values(token_decays, c * K)
-        else:
-            return Array[Float32, ROWS](fill=scalars[unsafe_offset=c * TOKEN_SCALARS + DECAY_AT])
 
     var head_rows = state.unsafe_offset(
         row * (num_value_heads * K * V) + value_head * K * V + lane * V + group_column
@@ -432,14 +699,7 @@ def windows_gpu_latency_kernel[
                         async_copy_commit_group()
                         async_copy_wait_all()
                         syncwarp()
-                    for t in range(count):
-                        var d = lane_decays(record_decays, t)
-                        var u = record_deltas.unsafe_load[width=CV, alignment=CV * 4](
-                            t * SLAB + staged_column
-                        )
-                        var k = lane_values(record_keys, t * NATURAL)
-                        comptime for m in range(ROWS):
-                            held[m] = fma(Columns(k[m]), u, held[m] * d[m])
+                    fold_staged_records[K, CHANNEL](held, staged, count, staged_column, lane)
                 # What a separate fold leaves in the pool, and what the window reads back.
                 comptime for m in range(ROWS):
                     held[m] = held[m].cast[state_dtype]().cast[DType.float32]()
@@ -456,46 +716,17 @@ def windows_gpu_latency_kernel[
                 async_copy_wait_all()
                 syncwarp()
             if staging or chunk_start > start:
-                comptime for c in range(CHUNK):
-                    if c < count:
-                        var k = lane_values(pairs, (2 * c + 1) * NATURAL)
-                        var q = lane_values(pairs, 2 * c * NATURAL)
-                        var k_squares = Float32(0.0)
-                        var q_squares = Float32(0.0)
-                        comptime for m in range(ROWS):
-                            k_squares = fma(k[m], k[m], k_squares)
-                            q_squares = fma(q[m], q[m], q_squares)
-                        inverse_key_norms[c] = Float32(1.0) / rounded_sqrt(
-                            lane_sum(k_squares) + L2_EPS
-                        )
-                        query_scales[c] = (
-                            Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)
-                        ) * scale
+                chunk_norms[K](pairs, count, lane, inverse_key_norms, query_scales)
             # Unrolled, so that a token's readout shuffles overlap the next token's sums.
             comptime for c in range(CHUNK):
                 if c < count:
                     var token = chunk_start + c
-                    var d = token_lane_decays(c)
-                    var b = scalars[unsafe_offset=c * TOKEN_SCALARS + BETA_AT]
-                    var inv_k = inverse_key_norms[c]
-                    var k = lane_values(pairs, (2 * c + 1) * NATURAL)
-                    # kv = S^T k on the decayed state.
-                    var partial = Columns(0.0)
-                    comptime for m in range(ROWS):
-                        held[m] = held[m] * d[m]
-                        partial = fma(held[m], Columns(k[m]), partial)
-                    var kv = slab_column_sum[CV](partial, lane)
-                    var v = values[unsafe_offset=c * SLAB + staged_column + slot]
-                    var u = (b * fma(-kv, inv_k, v)) * inv_k
-                    var u_columns = slab_gather[CV](u, lane)
-                    # S += k u^T, then the readout o = S^T (q / |q| / sqrt(K)).
-                    var q = lane_values(pairs, 2 * c * NATURAL)
-                    var q_scale = query_scales[c]
-                    var out = Columns(0.0)
-                    comptime for m in range(ROWS):
-                        held[m] = fma(Columns(k[m]), u_columns, held[m])
-                        out = fma(held[m], Columns(q[m] * q_scale), out)
-                    var o = slab_column_sum[CV](out, lane)
+                    var readout_and_delta = slab_token[K, CHANNEL](
+                        held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
+                        query_scales[c], c * SLAB + staged_column + slot, lane,
+                    )
+                    var o = readout_and_delta[0]
+                    var u = readout_and_delta[1]
                     if writes_column:
                         readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
                         if records:
@@ -503,35 +734,11 @@ def windows_gpu_latency_kernel[
                                 + delta_offset[K, V](group_slot) + column + slot] = u
             comptime if RECORD:
                 if records and slab == 0:
-                    # The raw keys (once per key head) and the decays (once per value head).
-                    var first = (record_row_base + chunk_start - start) * record_stride
-                    comptime KEY_VECTORS = K // COPY_FLOATS
-                    comptime if CHANNEL:
-                        for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
-                            var c = i // KEY_VECTORS
-                            var at = (i % KEY_VECTORS) * COPY_FLOATS
-                            ring.unsafe_store[alignment=16](
-                                first + c * record_stride
-                                + channel_decay_offset[K, V](group_size, group_slot) + at,
-                                token_decays.unsafe_load[width=COPY_FLOATS, alignment=16](
-                                    c * K + at
-                                ),
-                            )
-                    else:
-                        if tid < count:
-                            ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
-                                group_size, group_slot
-                            )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
-                    if group_slot == 0:
-                        for i in range(tid, count * KEY_VECTORS, WARP_THREADS):
-                            var c = i // KEY_VECTORS
-                            var at = (i % KEY_VECTORS) * COPY_FLOATS
-                            ring.unsafe_store[alignment=16](
-                                first + c * record_stride + key_offset() + at,
-                                pairs.unsafe_load[width=COPY_FLOATS, alignment=16](
-                                    (2 * c + 1) * NATURAL + at
-                                ),
-                            )
+                    write_chunk_records[K, V, CHANNEL](
+                        ring, (record_row_base + chunk_start - start) * record_stride,
+                        record_stride, count, pairs, scalars, token_decays, group_size,
+                        group_slot, tid,
+                    )
 
         # 4. A forward, or a window too long for the ring, commits the state.
         if commit and (end > start or accepted > 0):

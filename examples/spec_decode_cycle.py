@@ -145,7 +145,7 @@ def main() -> None:
         kept_offsets = np.concatenate([[0], np.cumsum(accepted)]).astype(np.uint32)
         differ = lagging
         for layer in range(LAYERS):
-            want = reference.recurrence_fwd(qkv[layer][kept], decay[layer][kept], beta[layer][kept], expected,
+            want = reference.recurrence(qkv[layer][kept], decay[layer][kept], beta[layer][kept], expected,
                                             row_ids[layer], kept_offsets, num_key_heads=NK)
             differ += int(np.count_nonzero(readouts[layer][kept].view(np.uint32) != want.view(np.uint32)))
         print(f"step {step}: accepted {accepted.tolist()}, rows {row_ids.T.tolist()}, "

@@ -206,7 +206,7 @@ def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:
     if kind == "forward":
         case = window_case(point, 23)
         pool = case.state.copy()
-        out = reference.recurrence_fwd(*case.tokens(), pool, case.row_ids, case.input_row_offsets,
+        out = reference.recurrence(*case.tokens(), pool, case.row_ids, case.input_row_offsets,
                                        num_key_heads=case.num_key_heads)
         return out, pool
     return window_case(point, 22).run_verify(reference.verify_ring, fold_on_load=kind == "fold_on_load")

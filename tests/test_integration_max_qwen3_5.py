@@ -182,7 +182,7 @@ def test_our_verify_in_max_s_signature_keeps_max_s_width_rule(kind: str) -> None
                 if previous:
                     reference.fold(want_pool, want_ring, case.row_ids[None], case.previous_ring_row_ids[None],
                                    case.previous_num_accepted)
-                want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
+                want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
                                                 num_key_heads=case.num_key_heads)
             what = f"{kind}, width {drafts}{' (symbolic)' if symbolic else ''}"
             assert_bits_equal(out.to_numpy(), want, f"{what}: readout")
@@ -402,7 +402,7 @@ def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray
         outputs.append(host)
         copy_back(up[1], pool)
         if routed:
-            want = reference.recurrence_fwd(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows,
+            want = reference.recurrence(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows,
                                             offsets, num_key_heads=NK)
             assert_bits_equal(readout.to_numpy(), want, f"{tokens}-token step: the forward's readout")
             assert_bits_equal(pool, want_pool, f"{tokens}-token step: pool")

@@ -110,5 +110,5 @@ def test_verify_longer_than_ring_commits_the_pool() -> None:
     reference.verify_ring(qkv, decay, beta, committed, short_ring, case.row_ids[0], case.ring_row_ids[0], offsets)
     assert np.isnan(short_ring).all(), "a window longer than the ring must not be recorded"
     forward = case.state_in.copy()
-    reference.recurrence_fwd(qkv, decay, beta, forward, case.row_ids[0], offsets, num_key_heads=2)
+    reference.recurrence(qkv, decay, beta, forward, case.row_ids[0], offsets, num_key_heads=2)
     assert_bits_equal(committed, forward)

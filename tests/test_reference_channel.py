@@ -64,9 +64,9 @@ def test_equal_channel_decays_give_the_head_gate_s_bits() -> None:
     spread = np.repeat(case.decay[:, :, None], case.state.shape[2], axis=2)
     head_pool, channel_pool = case.state.copy(), case.state.copy()
     tables = (case.row_ids, case.input_row_offsets)
-    head = reference.recurrence_fwd(case.qkv, case.decay, case.beta, head_pool, *tables,
+    head = reference.recurrence(case.qkv, case.decay, case.beta, head_pool, *tables,
                                     num_key_heads=case.num_key_heads)
-    channel = reference.recurrence_fwd(case.qkv, spread, case.beta, channel_pool, *tables,
+    channel = reference.recurrence(case.qkv, spread, case.beta, channel_pool, *tables,
                                        num_key_heads=case.num_key_heads)
     assert_bits_equal(channel, head, "readout")
     assert_bits_equal(channel_pool, head_pool, "pool")
@@ -86,7 +86,7 @@ def test_forward_agrees_with_a_float64_recurrence() -> None:
     fp32 recurrence over 9 tokens stays within a few fp32 ulps of the largest value."""
     case = random_window_case(65, windows=[9], previous_num_accepted=[0], gate="channel")
     pool = case.state.copy()
-    readout = reference.recurrence_fwd(*case.tokens(), pool, case.row_ids, case.input_row_offsets,
+    readout = reference.recurrence(*case.tokens(), pool, case.row_ids, case.input_row_offsets,
                                        num_key_heads=case.num_key_heads)
     row = int(case.row_ids[0])
     want_out, want_state = float64_channel_forward(case.qkv, case.decay, case.beta, case.state[row], case.num_key_heads)

@@ -109,7 +109,7 @@ def test_forward_matches_reference(runner: WindowRunner, state_dtype: str) -> No
     got_pool = case.state.copy()
     got = runner.recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
     want_pool = case.state.copy()
-    want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
+    want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
                                     num_key_heads=case.num_key_heads)
     assert_bits_equal(got, want, "readout")
     assert_bits_equal(got_pool, want_pool, "pool")

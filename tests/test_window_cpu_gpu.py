@@ -92,7 +92,7 @@ def test_recurrence_matches_reference(runner: WindowRunner, state_dtype: str) ->
     state = case.state.copy()
     out = runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
     want_state = case.state.copy()
-    want = reference.recurrence_fwd(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
+    want = reference.recurrence(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
                                     num_key_heads=case.num_key_heads)
     assert_bits_equal(out, want, "readout")
     assert_bits_equal(state, want_state, "pool")

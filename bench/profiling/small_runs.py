@@ -71,7 +71,7 @@ def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:
         pool = case.state.copy()
         out = runner.recurrence(*case.tokens(), pool, case.row_ids, case.input_row_offsets)
         want_pool = case.state.copy()
-        want = reference.recurrence_fwd(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
+        want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
                                         num_key_heads=case.num_key_heads)
         same_bits(out, want, f"forward, {dtype} pool, {label}: readout")
         same_bits(pool, want_pool, f"forward, {dtype} pool, {label}: pool")
@@ -162,7 +162,7 @@ def run_skips() -> None:
                 got = run_in_graph(runner, kind, window, tables | {name: table})
                 check_skipped(f"{kind} in a graph, {path} kernel, {name} out of range", got, want, window, 1)
         want_pool = window.state.copy()
-        want_out = reference.recurrence_fwd(*window.tokens(), want_pool, window.row_ids, window.input_row_offsets,
+        want_out = reference.recurrence(*window.tokens(), want_pool, window.row_ids, window.input_row_offsets,
                                             num_key_heads=window.num_key_heads)
         got = run_in_graph(runner, "forward", window, {"row_ids": bad_row,
                                                        "input_row_offsets": window.input_row_offsets})

@@ -6,7 +6,7 @@ Every state update goes through :func:`fma_f32`, an exact fp32 fused multiply-ad
 an fp32 product is exact in fp64, and an fp64 sum rounded to odd (TwoSum error term,
 then an even result nudged one ulp toward the error) rounds to the correctly rounded
 fp32 result. So the reference fold reproduces the kernels bit for bit, and folding the
-records of :func:`verify_ring` equals :func:`recurrence_fwd` over the accepted tokens.
+records of :func:`verify_ring` equals :func:`recurrence` over the accepted tokens.
 
 The verify and the forward follow the kernels' fixed order (``mojo/recurrence_math.mojo``):
 every sum over K runs on 8 lanes, lane ``p`` chaining fmas over ``i = p, p+8, ...``, and
@@ -174,12 +174,12 @@ def _requests(input_row_offsets: NDArray) -> list[tuple[int, int, int]]:
     return [(b, offsets[b], offsets[b + 1]) for b in range(len(offsets) - 1)]
 
 
-def recurrence_fwd(
+def recurrence(
     qkv: NDArray,
     decay: NDArray,
     beta: NDArray,
     recurrent_state: NDArray,
-    slot_idx: NDArray,
+    row_ids: NDArray,
     input_row_offsets: NDArray,
     *,
     num_key_heads: int,
@@ -191,7 +191,7 @@ def recurrence_fwd(
         decay: ``[T, nv]`` float32 decays, already exp'd, or ``[T, nv, K]`` (per-channel).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool, updated in place.
-        slot_idx: ``[B]`` pool row of each request.
+        row_ids: ``[B]`` pool row of each request.
         input_row_offsets: ``[B+1]`` token offsets of the requests.
         num_key_heads: nk.
 
@@ -202,7 +202,7 @@ def recurrence_fwd(
     heads = HeadShape(num_key_heads, nv, kd, vd)
     readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
     for b, start, end in _requests(input_row_offsets):
-        row = int(slot_idx[b])
+        row = int(row_ids[b])
         state = _widen(recurrent_state[row])
         for t in range(start, end):
             q, k, v = heads.split(qkv[t])
@@ -218,8 +218,8 @@ def verify_ring(
     beta: NDArray,
     recurrent_state: NDArray,
     ring: NDArray,
-    slot_idx: NDArray,
-    ring_slot_idx: NDArray,
+    row_ids: NDArray,
+    ring_row_ids: NDArray,
     input_row_offsets: NDArray,
     *,
     previous_ring_row_ids: NDArray | None = None,
@@ -228,7 +228,7 @@ def verify_ring(
     """Runs the recurrence over each request's verify window, recording into the ring.
 
     Token ``i`` of request ``b``'s window writes record ``i`` of ring row
-    ``ring_slot_idx[b]`` (with ``decay [T, nv, K]``, in the per-channel layout); the pool
+    ``ring_row_ids[b]`` (with ``decay [T, nv, K]``, in the per-channel layout); the pool
     is not written. A window longer than the ring's
     RING_LEN cannot be recorded: that request commits the pool itself, as a plain
     forward would, and writes no record.
@@ -245,7 +245,7 @@ def verify_ring(
         fold(
             recurrent_state,
             ring,
-            np.asarray(slot_idx)[None],
+            np.asarray(row_ids)[None],
             np.asarray(previous_ring_row_ids)[None],
             previous_num_accepted,
             gate=gate,
@@ -257,9 +257,9 @@ def verify_ring(
     deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
     readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
     for b, start, end in _requests(input_row_offsets):
-        row = int(slot_idx[b])
+        row = int(row_ids[b])
         state = _widen(recurrent_state[row])
-        record_row = ring[int(ring_slot_idx[b])]
+        record_row = ring[int(ring_row_ids[b])]
         window = end - start
         for i, t in enumerate(range(start, end)):
             q, k, v = heads.split(qkv[t])
@@ -351,6 +351,6 @@ __all__ = [
     "inverse_norm",
     "lane_dot",
     "query_scale",
-    "recurrence_fwd",
+    "recurrence",
     "verify_ring",
 ]

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes
@@ -42,10 +43,31 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: nothing to fetch
 
-#: A small Qwen3.5: three Gated DeltaNet layers, then one full-attention layer, and a
-#: one-layer MTP head. K = V = 128, as MAX's state kernels require.
-HIDDEN, LAYERS, VOCAB, KEY_HEADS, VALUE_HEADS, HEAD_DIM, FFN = 256, 4, 512, 2, 4, 128, 512
-ATTENTION_HEADS, KV_HEADS = 2, 1
+@dataclass(frozen=True)
+class Shapes:
+    """A Qwen3.5 checkpoint's sizes: ``layers - 1`` Gated DeltaNet layers, then one
+    full-attention layer, and a one-layer MTP head. ``head_dim`` is the Gated DeltaNet
+    K = V (128, as MAX's state kernels require), ``attention_head_dim`` the full
+    attention's; ``dtype`` the weights' (and so, by default, the state pools')."""
+
+    hidden: int = 256
+    layers: int = 4
+    vocab: int = 512
+    key_heads: int = 2
+    value_heads: int = 4
+    head_dim: int = 128
+    ffn: int = 512
+    attention_heads: int = 2
+    kv_heads: int = 1
+    attention_head_dim: int = 128
+    dtype: str = "float32"
+
+
+#: The tiny checkpoint the examples and tests write.
+TINY = Shapes()
+HIDDEN, LAYERS, VOCAB, KEY_HEADS, VALUE_HEADS, HEAD_DIM, FFN = (
+    TINY.hidden, TINY.layers, TINY.vocab, TINY.key_heads, TINY.value_heads, TINY.head_dim, TINY.ffn)
+ATTENTION_HEADS, KV_HEADS = TINY.attention_heads, TINY.kv_heads
 #: Its vision tower, one block: never run on these text prompts, but the plain pipeline
 #: compiles it and MAX refuses a checkpoint without its weights.
 VISION_HIDDEN, VISION_FFN, PATCH, TEMPORAL_PATCH, MERGE, VISION_POSITIONS = 64, 128, 16, 2, 2, 64
@@ -54,65 +76,70 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<think>", "</think>", "<|ima
 FIRST_SPECIAL = VOCAB - len(SPECIAL_TOKENS)
 
 
-def special_id(token: str) -> int:
-    return FIRST_SPECIAL + SPECIAL_TOKENS.index(token)
+def special_id(token: str, shapes: Shapes = TINY) -> int:
+    return shapes.vocab - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(token)
 
 
-def hf_config() -> dict:
+def hf_config(shapes: Shapes = TINY) -> dict:
     """``config.json`` of a multimodal Qwen3.5 checkpoint, as the published ones are: the text
     config and a vision tower (which MAX's fused speculative graph leaves out)."""
-    layer_types = ["linear_attention"] * (LAYERS - 1) + ["full_attention"]
+    s = shapes
+    layer_types = ["linear_attention"] * (s.layers - 1) + ["full_attention"]
     text = {
-        "model_type": "qwen3_5_text", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN,
-        "num_hidden_layers": LAYERS, "layer_types": layer_types, "full_attention_interval": LAYERS,
-        "num_attention_heads": ATTENTION_HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "linear_conv_kernel_dim": 4, "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM,
-        "linear_num_key_heads": KEY_HEADS, "linear_num_value_heads": VALUE_HEADS,
+        "model_type": "qwen3_5_text", "vocab_size": s.vocab, "hidden_size": s.hidden, "intermediate_size": s.ffn,
+        "num_hidden_layers": s.layers, "layer_types": layer_types, "full_attention_interval": s.layers,
+        "num_attention_heads": s.attention_heads, "num_key_value_heads": s.kv_heads,
+        "head_dim": s.attention_head_dim,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": s.head_dim, "linear_value_head_dim": s.head_dim,
+        "linear_num_key_heads": s.key_heads, "linear_num_value_heads": s.value_heads,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [6, 5, 5], "mrope_interleaved": True},
         "attn_output_gate": True, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
-        "eos_token_id": special_id("<|im_end|>"), "dtype": "float32",
+        "eos_token_id": special_id("<|im_end|>", s), "dtype": s.dtype,
     }
     vision = {
         "model_type": "qwen3_5", "depth": 1, "hidden_size": VISION_HIDDEN, "intermediate_size": VISION_FFN,
         "num_heads": 2, "in_channels": 3, "patch_size": PATCH, "spatial_merge_size": MERGE,
-        "temporal_patch_size": TEMPORAL_PATCH, "out_hidden_size": HIDDEN, "num_position_embeddings": VISION_POSITIONS,
+        "temporal_patch_size": TEMPORAL_PATCH, "out_hidden_size": s.hidden, "num_position_embeddings": VISION_POSITIONS,
         "deepstack_visual_indexes": [],
     }
     return {
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": text, "vision_config": vision, "tie_word_embeddings": False, "dtype": "float32",
-        "image_token_id": special_id("<|image_pad|>"), "video_token_id": special_id("<|video_pad|>"),
-        "vision_start_token_id": special_id("<|vision_start|>"),
-        "vision_end_token_id": special_id("<|vision_end|>"),
+        "text_config": text, "vision_config": vision, "tie_word_embeddings": False, "dtype": s.dtype,
+        "image_token_id": special_id("<|image_pad|>", s), "video_token_id": special_id("<|video_pad|>", s),
+        "vision_start_token_id": special_id("<|vision_start|>", s),
+        "vision_end_token_id": special_id("<|vision_end|>", s),
     }
 
 
-def weight_shapes() -> dict[str, tuple[int, ...]]:
+def weight_shapes(shapes: Shapes = TINY) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint, named as Qwen3.5's published checkpoints name them."""
-    conv_dim = 2 * KEY_HEADS * HEAD_DIM + VALUE_HEADS * HEAD_DIM
-    value_dim = VALUE_HEADS * HEAD_DIM
+    s = shapes
+    hidden, ffn, head = s.hidden, s.ffn, s.attention_head_dim
+    conv_dim = 2 * s.key_heads * s.head_dim + s.value_heads * s.head_dim
+    value_dim = s.value_heads * s.head_dim
 
     def mlp(prefix: str) -> dict[str, tuple[int, ...]]:
-        return {f"{prefix}mlp.gate_proj.weight": (FFN, HIDDEN), f"{prefix}mlp.up_proj.weight": (FFN, HIDDEN),
-                f"{prefix}mlp.down_proj.weight": (HIDDEN, FFN),
-                f"{prefix}input_layernorm.weight": (HIDDEN,), f"{prefix}post_attention_layernorm.weight": (HIDDEN,)}
+        return {f"{prefix}mlp.gate_proj.weight": (ffn, hidden), f"{prefix}mlp.up_proj.weight": (ffn, hidden),
+                f"{prefix}mlp.down_proj.weight": (hidden, ffn),
+                f"{prefix}input_layernorm.weight": (hidden,), f"{prefix}post_attention_layernorm.weight": (hidden,)}
 
     def attention(prefix: str) -> dict[str, tuple[int, ...]]:
         # The query projection also yields the output gate (attn_output_gate).
-        return {f"{prefix}self_attn.q_proj.weight": (2 * ATTENTION_HEADS * HEAD_DIM, HIDDEN),
-                f"{prefix}self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-                f"{prefix}self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-                f"{prefix}self_attn.o_proj.weight": (HIDDEN, ATTENTION_HEADS * HEAD_DIM),
-                f"{prefix}self_attn.q_norm.weight": (HEAD_DIM,), f"{prefix}self_attn.k_norm.weight": (HEAD_DIM,)}
+        return {f"{prefix}self_attn.q_proj.weight": (2 * s.attention_heads * head, hidden),
+                f"{prefix}self_attn.k_proj.weight": (s.kv_heads * head, hidden),
+                f"{prefix}self_attn.v_proj.weight": (s.kv_heads * head, hidden),
+                f"{prefix}self_attn.o_proj.weight": (hidden, s.attention_heads * head),
+                f"{prefix}self_attn.q_norm.weight": (head,), f"{prefix}self_attn.k_norm.weight": (head,)}
 
     def gated_deltanet(prefix: str) -> dict[str, tuple[int, ...]]:
         p = f"{prefix}linear_attn."
-        return {f"{p}in_proj_qkv.weight": (conv_dim, HIDDEN), f"{p}in_proj_z.weight": (value_dim, HIDDEN),
-                f"{p}in_proj_b.weight": (VALUE_HEADS, HIDDEN), f"{p}in_proj_a.weight": (VALUE_HEADS, HIDDEN),
-                f"{p}conv1d.weight": (conv_dim, 1, 4), f"{p}dt_bias": (VALUE_HEADS,), f"{p}A_log": (VALUE_HEADS,),
-                f"{p}norm.weight": (HEAD_DIM,), f"{p}out_proj.weight": (HIDDEN, value_dim)}
+        return {f"{p}in_proj_qkv.weight": (conv_dim, hidden), f"{p}in_proj_z.weight": (value_dim, hidden),
+                f"{p}in_proj_b.weight": (s.value_heads, hidden), f"{p}in_proj_a.weight": (s.value_heads, hidden),
+                f"{p}conv1d.weight": (conv_dim, 1, 4), f"{p}dt_bias": (s.value_heads,),
+                f"{p}A_log": (s.value_heads,), f"{p}norm.weight": (s.head_dim,),
+                f"{p}out_proj.weight": (hidden, value_dim)}
 
     def vision_tower(p: str) -> dict[str, tuple[int, ...]]:
         # One block, the patch projection as a Conv3D, and the merger of MERGE x MERGE patches.
@@ -121,7 +148,7 @@ def weight_shapes() -> dict[str, tuple[int, ...]]:
                   f"{p}blocks.0.attn.proj": (VISION_HIDDEN, VISION_HIDDEN),
                   f"{p}blocks.0.mlp.linear_fc1": (VISION_FFN, VISION_HIDDEN),
                   f"{p}blocks.0.mlp.linear_fc2": (VISION_HIDDEN, VISION_FFN),
-                  f"{p}merger.linear_fc1": (merged, merged), f"{p}merger.linear_fc2": (HIDDEN, merged),
+                  f"{p}merger.linear_fc1": (merged, merged), f"{p}merger.linear_fc2": (hidden, merged),
                   f"{p}patch_embed.proj": (VISION_HIDDEN, 3, TEMPORAL_PATCH, PATCH, PATCH)}
         layer_norms = (f"{p}blocks.0.norm1", f"{p}blocks.0.norm2", f"{p}merger.norm")
         return ({f"{name}.weight": shape for name, shape in linear.items()}
@@ -129,27 +156,27 @@ def weight_shapes() -> dict[str, tuple[int, ...]]:
                 | {f"{name}.{part}": (VISION_HIDDEN,) for name in layer_norms for part in ("weight", "bias")}
                 | {f"{p}pos_embed.weight": (VISION_POSITIONS, VISION_HIDDEN)})
 
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.language_model.embed_tokens.weight": (VOCAB, HIDDEN),
-        "model.language_model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN),
-        "mtp.pre_fc_norm_embedding.weight": (HIDDEN,), "mtp.pre_fc_norm_hidden.weight": (HIDDEN,),
-        "mtp.fc.weight": (HIDDEN, 2 * HIDDEN), "mtp.norm.weight": (HIDDEN,),
+    out: dict[str, tuple[int, ...]] = {
+        "model.language_model.embed_tokens.weight": (s.vocab, hidden),
+        "model.language_model.norm.weight": (hidden,), "lm_head.weight": (s.vocab, hidden),
+        "mtp.pre_fc_norm_embedding.weight": (hidden,), "mtp.pre_fc_norm_hidden.weight": (hidden,),
+        "mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
         **mlp("mtp.layers.0."), **attention("mtp.layers.0."),
     }
-    for layer in range(LAYERS):
+    for layer in range(s.layers):
         prefix = f"model.language_model.layers.{layer}."
-        shapes |= mlp(prefix)
-        shapes |= gated_deltanet(prefix) if layer < LAYERS - 1 else attention(prefix)
-    return shapes | vision_tower("model.visual.")
+        out |= mlp(prefix)
+        out |= gated_deltanet(prefix) if layer < s.layers - 1 else attention(prefix)
+    return out | vision_tower("model.visual.")
 
 
-def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(seed: int = 0, shapes: Shapes = TINY) -> dict[str, np.ndarray]:
     """Small random weights; norms are Qwen3.5's (1 + w) RMS norms at w = 0, except the
     Gated DeltaNet output norm, which scales by w; decays between exp(-1) and exp(-16); the
     vision tower's layer norms are the identity and its biases zero."""
     rng = np.random.default_rng(seed)
     weights = {}
-    for name, shape in weight_shapes().items():
+    for name, shape in weight_shapes(shapes).items():
         if name.startswith("model.visual.") and name.endswith(".bias"):
             weights[name] = np.zeros(shape, np.float32)
         elif name.startswith("model.visual.") and "norm" in name:
@@ -164,21 +191,24 @@ def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
             weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     # MAX 26.7 builds Qwen3.5's vision tower in bf16 whatever the encoding (as published
     # checkpoints store it) and refuses weights of another dtype.
-    return {name: w.astype(ml_dtypes.bfloat16) if name.startswith("model.visual.") else w
+    bf16 = shapes.dtype == "bfloat16"
+    return {name: w.astype(ml_dtypes.bfloat16) if bf16 or name.startswith("model.visual.") else w
             for name, w in weights.items()}
 
 
-def write_checkpoint(folder: Path) -> Path:
+def write_checkpoint(folder: Path, shapes: Shapes = TINY) -> Path:
     """The config, the weights and a word-level tokenizer whose special tokens are the ones
     MAX's Qwen3.5 tokenizer looks up (``<think>``, ``</think>``, the vision markers)."""
     from safetensors.numpy import save_file
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config(), indent=1))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": special_id("<|im_end|>")}))
-    save_file(random_weights(), str(folder / "model.safetensors"))
-    vocab = {f"w{i}": i for i in range(FIRST_SPECIAL)} | {t: special_id(t) for t in SPECIAL_TOKENS}
+    (folder / "config.json").write_text(json.dumps(hf_config(shapes), indent=1))
+    eos = special_id("<|im_end|>", shapes)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    save_file(random_weights(shapes=shapes), str(folder / "model.safetensors"))
+    first_special = shapes.vocab - len(SPECIAL_TOKENS)
+    vocab = {f"w{i}": i for i in range(first_special)} | {t: special_id(t, shapes) for t in SPECIAL_TOKENS}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -188,6 +218,74 @@ def write_checkpoint(folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "unk_token": "w0", "chat_template": template, "model_max_length": 4096}))
+    return folder
+
+
+#: A DFlash2 drafter for a target of these shapes (MAX's ``DFlash2DraftModel``): one
+#: layer, taps on the target's first and last layers, blocks of 8 (7 drafts).
+DRAFT_HEADS, DRAFT_KV_HEADS, DRAFT_HEAD_DIM, DRAFT_LAYERS, DRAFT_BLOCK = 2, 1, 128, 1, 8
+DRAFT_CONV_TAPS, DRAFT_CONV_GROUP, DRAFT_RANK, DRAFT_TOP_K = 3, 64, 16, 4
+
+
+def dflash2_draft_config(shapes: Shapes = TINY) -> dict:
+    """``config.json`` of a DFlash2 drafter: a Qwen3-shaped decoder config plus the
+    ``dflash_config`` block MAX 26.7 reads (``unified_dflash2_qwen3_5/model_config.py``)."""
+    return {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "vocab_size": shapes.vocab,
+        "hidden_size": shapes.hidden, "intermediate_size": shapes.ffn, "num_hidden_layers": DRAFT_LAYERS,
+        "num_attention_heads": DRAFT_HEADS, "num_key_value_heads": DRAFT_KV_HEADS, "head_dim": DRAFT_HEAD_DIM,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0, "hidden_act": "silu",
+        "sliding_window": 2048, "layer_types": ["full_attention"] * DRAFT_LAYERS, "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": special_id("<|endoftext|>", shapes),
+                          "target_layer_ids": [0, shapes.layers - 1], "num_target_layers": shapes.layers,
+                          "block_size": DRAFT_BLOCK, "conv_kernel_size": DRAFT_CONV_TAPS,
+                          "conv_group_size": DRAFT_CONV_GROUP, "selector_rank": DRAFT_RANK,
+                          "selector_top_k": DRAFT_TOP_K},
+    }
+
+
+def dflash2_draft_shapes(shapes: Shapes = TINY) -> dict[str, tuple[int, ...]]:
+    """The drafter's tensors, named as MAX's ``DFlash2Qwen3_5`` module declares them (no
+    embedding or head: it borrows the target's)."""
+    hidden, ffn = shapes.hidden, shapes.ffn
+    taps_out = 2 * DRAFT_CONV_TAPS * (hidden // DRAFT_CONV_GROUP)
+    out: dict[str, tuple[int, ...]] = {
+        "norm.weight": (hidden,), "hidden_norm.weight": (hidden,), "fc.weight": (hidden, 2 * hidden),
+        "candidate_selector.predecessor_codebook": (shapes.vocab, DRAFT_RANK),
+        "candidate_selector.successor_codebook": (shapes.vocab, DRAFT_RANK),
+        "candidate_selector.hidden_projection.weight": (DRAFT_RANK, hidden),
+    }
+    for layer in range(DRAFT_LAYERS):
+        p = f"layers.{layer}."
+        out |= {f"{p}self_attn.q_proj.weight": (DRAFT_HEADS * DRAFT_HEAD_DIM, hidden),
+                f"{p}self_attn.k_proj.weight": (DRAFT_KV_HEADS * DRAFT_HEAD_DIM, hidden),
+                f"{p}self_attn.v_proj.weight": (DRAFT_KV_HEADS * DRAFT_HEAD_DIM, hidden),
+                f"{p}self_attn.o_proj.weight": (hidden, DRAFT_HEADS * DRAFT_HEAD_DIM),
+                f"{p}self_attn.q_norm.weight": (DRAFT_HEAD_DIM,), f"{p}self_attn.k_norm.weight": (DRAFT_HEAD_DIM,),
+                f"{p}mlp.gate_proj.weight": (ffn, hidden), f"{p}mlp.up_proj.weight": (ffn, hidden),
+                f"{p}mlp.down_proj.weight": (hidden, ffn),
+                f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,)}
+        for conv in ("attention_conv", "mlp_conv"):
+            out |= {f"{p}{conv}.base_kernel": (2, DRAFT_CONV_TAPS, hidden),
+                    f"{p}{conv}.kernel_projection.weight": (taps_out, hidden)}
+    return out
+
+
+def write_dflash2_draft(folder: Path, shapes: Shapes = TINY, seed: int = 1) -> Path:
+    """A random-weight DFlash2 drafter for the checkpoint of ``shapes``: ``config.json`` and
+    one ``model.safetensors`` (norm weights 1, the rest small and random), in bf16 whatever
+    the target's dtype: MAX 26.7 pins the drafter's KV cache to bf16
+    (``construct_dflash2_draft_kv_params``), so its projections must be bf16 too."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dflash2_draft_config(shapes), indent=1))
+    rng = np.random.default_rng(seed)
+    weights = {name: (np.ones(shape, np.float32) if name.endswith("norm.weight")
+                      else rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(ml_dtypes.bfloat16)
+               for name, shape in dflash2_draft_shapes(shapes).items()}
+    save_file(weights, str(folder / "model.safetensors"))
     return folder
 
 
@@ -219,6 +317,24 @@ def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MA
         speculative=speculative, runtime={"max_batch_size": 4, "device_graph_capture": False},
         # Three pipelines, each in its own process, share the GPU at once: each takes a
         # tenth of it for its cache instead of MAX's default nine tenths.
+        kv_cache={"device_memory_utilization": 0.1},
+    ))
+
+
+def dflash2_pipeline_config(folder: Path, draft: Path, device: str = "gpu"):  # noqa: ANN201 (MAX's PipelineConfig)
+    """As ``max serve --speculative-method dflash2 --draft-model-path DRAFT`` resolves it:
+    the bf16 checkpoint in ``folder`` (written with ``Shapes(dtype="bfloat16")``; MAX 26.7's
+    drafter runs in bf16 on the target's embeddings) and the drafter of
+    :func:`write_dflash2_draft`. A ``gpu`` device spec resolves without a GPU (MAX refuses
+    bf16 on a CPU spec); the draft width comes from the drafter (``block_size - 1``)."""
+    from max.pipelines import PipelineConfig
+    from max.pipelines.lib.pipeline_args import PipelineArgs
+
+    return PipelineConfig.from_args(PipelineArgs.from_flat_kwargs(
+        model_path=str(folder), weight_path=[folder / "model.safetensors"], quantization_encoding="bfloat16",
+        draft_model_path=str(draft), draft_quantization_encoding="bfloat16", max_length=256,
+        device_specs=[{"device_type": device, "id": 0 if device == "gpu" else -1}],
+        speculative={"speculative_method": "dflash2"}, runtime={"max_batch_size": 4, "device_graph_capture": False},
         kv_cache={"device_memory_utilization": 0.1},
     ))
 

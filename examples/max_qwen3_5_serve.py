@@ -8,11 +8,13 @@ starts
 
 on localhost, waits for ``/health``, sends a few greedy ``/v1/completions`` with token-id
 prompts side by side, prints the new token ids and stops the server. ``--mode max`` serves
-MAX's own MTP pipeline instead (no ``--custom-architectures``). MAX builds Qwen3.5
-pipelines on GPUs only: without one the script writes the checkpoint, prints the command
-and stops there.
+MAX's own MTP pipeline instead (no ``--custom-architectures``). ``--dflash2`` serves
+DFlash2 instead of MTP: the checkpoint in bf16 and the example's tiny drafter, with
+``--speculative-method dflash2 --draft-model-path DRAFT`` (7 drafts, the drafter's).
+MAX builds Qwen3.5 pipelines on GPUs only: without one the script writes the checkpoint,
+prints the command and stops there.
 
-    python examples/max_qwen3_5_serve.py [--mode fused|fold|fold+verify|max] [--folder DIR]
+    python examples/max_qwen3_5_serve.py [--mode fused|fold|fold+verify|max] [--dflash2] [--folder DIR]
         [--new-tokens 12]
 """
 
@@ -35,14 +37,20 @@ MODULE = "gdfold_max.integrations.max_qwen3_5_serve"
 PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45], [300]]
 
 
-def command(folder: Path, port: int, mode: str) -> tuple[list[str], dict[str, str]]:
-    """The ``max serve`` command line and its environment."""
+def command(folder: Path, port: int, mode: str, draft: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The ``max serve`` command line and its environment: MTP, or DFlash2 with the
+    drafter in ``draft`` (a bf16 target: MAX 26.7 runs the drafter in bf16)."""
     exe = Path(sys.executable).with_name("max")
+    if draft is None:
+        speculative = ["--quantization-encoding", "float32", "--speculative-method", "mtp",
+                       "--num-speculative-tokens", "3"]
+    else:
+        speculative = ["--quantization-encoding", "bfloat16", "--speculative-method", "dflash2",
+                       "--draft-model-path", str(draft), "--draft-quantization-encoding", "bfloat16"]
     argv = [str(exe) if exe.exists() else "max", "serve", "--model-path", str(folder),
-            "--weight-path", str(folder / "model.safetensors"), "--quantization-encoding", "float32",
+            "--weight-path", str(folder / "model.safetensors"), *speculative,
             "--max-length", "256", "--max-batch-size", "2", "--device-memory-utilization", "0.1",
-            "--no-device-graph-capture", "--speculative-method", "mtp", "--num-speculative-tokens", "3",
-            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
+            "--no-device-graph-capture", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1"}
     if mode != "max":
         argv += ["--custom-architectures", MODULE]
@@ -80,6 +88,7 @@ async def ask(url: str, new_tokens: int, ready_s: float, server: subprocess.Pope
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="fused", choices=["fused", "fold", "fold+verify", "max"])
+    parser.add_argument("--dflash2", action="store_true", help="serve DFlash2 (a bf16 target and a tiny drafter)")
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--ready-s", type=float, default=1200.0, help="how long to wait for /health")
@@ -88,11 +97,18 @@ def main() -> None:
         parser.error(f"--new-tokens: expected at least 1, got {args.new_tokens}")
 
     checkpoint = runpy.run_path(str(HERE / "max_qwen3_5_pipeline.py"))
-    folder = checkpoint["write_checkpoint"](args.folder or Path(tempfile.mkdtemp()) / "tiny-qwen3_5")
+    where = args.folder or Path(tempfile.mkdtemp()) / "tiny-qwen3_5"
+    draft = None
+    if args.dflash2:
+        shapes = checkpoint["Shapes"](dtype="bfloat16")
+        folder = checkpoint["write_checkpoint"](where, shapes)
+        draft = checkpoint["write_dflash2_draft"](where.with_name(where.name + "-dflash2-draft"), shapes)
+    else:
+        folder = checkpoint["write_checkpoint"](where)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    argv, env = command(folder, port, args.mode)
+    argv, env = command(folder, port, args.mode, draft)
     shown = ("" if args.mode == "max" else f"GDFOLD_MAX_QWEN3_5={args.mode} ") + " ".join(argv)
     print(f"checkpoint in {folder}\n{shown}", flush=True)
 

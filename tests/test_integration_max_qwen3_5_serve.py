@@ -1,12 +1,13 @@
-"""gdfold_max's Qwen3.5 MTP architecture for ``max serve``
+"""gdfold_max's Qwen3.5 MTP and DFlash2 architectures for ``max serve``
 (``gdfold_max.integrations.max_qwen3_5_serve``).
 
 On the CPU: the mode flag, the two-half ring geometry where each of the three sites
 derives it, the carry's tag / half / count ops (a small CPU graph of just those ops,
 stepped against a plain-Python model of the carry), the registration over MAX's entry
-for the tiny checkpoint of ``examples/max_qwen3_5_pipeline.py``, and the fused graph
-built (not compiled) by MAX's own builder: its input signature and which state ops it
-holds. The MAX sources the architecture follows are pinned by hash.
+for the tiny checkpoint of ``examples/max_qwen3_5_pipeline.py`` (and, for DFlash2, a bf16
+copy of it with the example's tiny drafter), and the fused graph built (not compiled) by
+MAX's own builder, MTP and DFlash2: its input signature and which state ops it holds.
+The MAX sources the architecture follows are pinned by hash.
 
 On a GPU: ``max serve`` on localhost, fused, fold-only, fold+verify, MAX's own MTP and
 plain decoding, each answering the same concurrent requests.
@@ -72,26 +73,37 @@ def test_a_bad_mode_stops_the_import_with_that_message() -> None:
     assert "GDFOLD_MAX_QWEN3_5='fast': expected one of fused, fold, fold+verify" in run.stderr
 
 
-def test_each_mode_replaces_max_s_mtp_architecture_under_its_name() -> None:
-    from max.pipelines.architectures.unified_mtp_qwen3_5.arch import unified_mtp_qwen3_5_arch as max_arch
+def test_each_mode_replaces_max_s_mtp_and_dflash2_architectures_under_their_names() -> None:
+    from max.pipelines.architectures.unified_dflash2_qwen3_5.arch import unified_dflash2_qwen3_5_arch as max_dflash2
+    from max.pipelines.architectures.unified_mtp_qwen3_5.arch import unified_mtp_qwen3_5_arch as max_mtp
 
     from gdfold_max.integrations import max_qwen3_5_serve as serve
-    from gdfold_max.integrations.max_qwen3_5_serve import fused
+    from gdfold_max.integrations.max_qwen3_5_serve import dflash2, fused
 
-    models = {"fused": fused.FusedMTPModel, "fold": serve.PatchedMTPModel, "fold+verify": serve.PatchedVerifyMTPModel}
-    for mode, model in models.items():
-        (arch,) = serve.architectures(mode)
-        assert arch.name == max_arch.name and arch.task == max_arch.task
-        assert arch.pipeline_model is model
-        # What the checkpoint and MAX's scheduler rely on stays MAX's.
-        assert arch.required_arguments == {"enable_prefix_caching": False}
-        assert not arch.supports_device_graph_capture
-        assert (arch.tool_parser, arch.reasoning_parser) == ("qwen3_5", "qwen3_5")
-        assert arch.weight_adapters == max_arch.weight_adapters and arch.tokenizer is max_arch.tokenizer
+    models = {"fused": (fused.FusedMTPModel, dflash2.FusedDflash2Model),
+              "fold": (serve.PatchedMTPModel, serve.PatchedDflash2Model),
+              "fold+verify": (serve.PatchedVerifyMTPModel, serve.PatchedVerifyDflash2Model)}
+    for mode, pair in models.items():
+        archs = serve.architectures(mode)
+        for arch, max_arch, model in zip(archs, (max_mtp, max_dflash2), pair, strict=True):
+            assert arch.name == max_arch.name and arch.task == max_arch.task
+            assert arch.pipeline_model is model
+            # What the checkpoint and MAX's scheduler rely on stays MAX's.
+            assert arch.required_arguments == {"enable_prefix_caching": False}
+            assert not arch.supports_device_graph_capture
+            assert (arch.tool_parser, arch.reasoning_parser) == ("qwen3_5", "qwen3_5")
+            assert arch.weight_adapters == max_arch.weight_adapters and arch.tokenizer is max_arch.tokenizer
+            assert arch.checkpoint_draft_width is max_arch.checkpoint_draft_width
+            assert arch.multi_gpu_supported == max_arch.multi_gpu_supported
     assert not serve.PatchedMTPModel.verify and serve.PatchedVerifyMTPModel.verify
-    (arch,) = serve.architectures("fused")
-    assert (arch.config, arch.batching, arch.memory_planner) == (
+    assert not serve.PatchedDflash2Model.verify and serve.PatchedVerifyDflash2Model.verify
+    mtp, dflash = serve.architectures("fused")
+    assert (mtp.config, mtp.batching, mtp.memory_planner) == (
         fused.FusedMTPConfig, fused.FusedMTPBatchProcessor, fused.FusedMTPMemoryPlanner)
+    assert (dflash.config, dflash.batching, dflash.memory_planner) == (
+        dflash2.FusedDflash2Config, fused.FusedMTPBatchProcessor, dflash2.FusedDflash2MemoryPlanner)
+    assert dflash2.FusedDflash2Model.batch_processor_cls is fused.FusedMTPBatchProcessor
+    assert dflash2.FusedDflash2Model.model_config_cls is dflash2.FusedDflash2Config
 
 
 # --- MAX's sources this follows ------------------------------------------------------
@@ -111,6 +123,15 @@ PINNED = {
     "qwen3_5.model_config.Qwen3_5Config.construct_kv_params": "f78cbdbdf1bcad37",
     "qwen3_5.model_config.Qwen3_5Config._per_request_ring_bytes": "e435a90a4e200b46",
     "qwen3_5.state_cache.linear_state_regions": "c2529487b7961062",
+    "unified_dflash2_qwen3_5.model.UnifiedDflash2Qwen3_5Model": "1b26fd8bd4ebb52c",
+    "unified_dflash2_qwen3_5.model_config.UnifiedDflash2Qwen3_5Config.initialize": "d676b3042ae80e80",
+    "unified_dflash2_qwen3_5.model_config.UnifiedDflash2Qwen3_5Config.get_kv_params": "9b2f37a37aeb8b05",
+    "unified_dflash2_qwen3_5.model_config.dflash2_kv_params": "2f1518e33cb7c3c6",
+    "unified_dflash2_qwen3_5.unified_dflash2_qwen3_5.UnifiedDflash2Qwen3_5": "aaadeb517b7278cc",
+    "unified_dflash2_qwen3_5.spec_adapters.Qwen3_5BlockTarget": "e9b2ad66a9d3f31b",
+    "unified_dflash2_qwen3_5.spec_adapters.DFlash2Qwen3_5Proposer.materialize": "04c27bcef55b7c8e",
+    "unified_dflash2_qwen3_5.memory_planner.UnifiedDflash2Qwen3_5MemoryPlanner": "fd5f09510724ecf5",
+    "unified_dflash2_qwen3_5.arch": "537fae39bddea16b",
 }
 
 
@@ -137,6 +158,18 @@ def test_the_max_sources_followed_are_the_ones_read() -> None:
     from max.pipelines.architectures.unified_mtp_qwen3_5 import model
 
     assert "nn_model = UnifiedMTPQwen3_5(" in inspect.getsource(model.UnifiedMTPQwen3_5Model._build_graph_for_compile)
+    # The names FusedDflash2Model and FusedDflash2Config rebind while MAX's code runs.
+    from max.pipelines.architectures.unified_dflash2_qwen3_5 import model as dflash2_model
+    from max.pipelines.architectures.unified_dflash2_qwen3_5 import model_config as dflash2_config
+
+    sources = {
+        dflash2_model.UnifiedDflash2Qwen3_5Model.get_kv_params: "UnifiedMTPQwen3_5Config.construct_kv_params(",
+        dflash2_model.UnifiedDflash2Qwen3_5Model._create_model_config: "UnifiedDflash2Qwen3_5Config.initialize(",
+        dflash2_model.UnifiedDflash2Qwen3_5Model._build_graph_for_compile: "nn_model = UnifiedDflash2Qwen3_5(",
+        dflash2_config.UnifiedDflash2Qwen3_5Config.initialize: "UnifiedMTPQwen3_5Config.initialize_from_config(",
+    }
+    for function, call in sources.items():
+        assert call in inspect.getsource(function), function
 
 
 # --- the carry: tags, halves, counts --------------------------------------------------
@@ -397,6 +430,142 @@ for drafts in (3, 0):
     for mode in lines:
         assert lines[mode][1][:2] == ["0", "Qwen3_5ForConditionalGeneration"]
         assert not lines[mode][1][2].startswith("gdfold_max")
+
+
+# --- DFlash2: the geometry, the graph and the registration ----------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash2_checkpoint(example: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny checkpoint in bf16 and the example's tiny DFlash2 drafter."""
+    folder = tmp_path_factory.mktemp("dflash2")
+    shapes = example["Shapes"](dtype="bfloat16")
+    return {"target": example["write_checkpoint"](folder / "tiny-bf16", shapes),
+            "draft": example["write_dflash2_draft"](folder / "draft", shapes), "shapes": shapes}
+
+
+@pytest.fixture(scope="module")
+def dflash2_graph(example: dict, dflash2_checkpoint: dict) -> dict:
+    """MAX's DFlash2 ``_create_model_config`` and ``_build_graph_for_compile`` run by our
+    pipeline model (built, not compiled; a ``gpu`` device spec, which resolves without
+    one), with the stand-ins of ``fused_graph``."""
+    from types import SimpleNamespace
+
+    import max.nn.comm.allreduce as allreduce
+    import max.pipelines.speculative.unified_graph_ops as graph_ops
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.graph import DeviceRef
+    from max.graph.weights import WeightsFormat, load_weights
+    from max.pipelines.architectures.llama3.weight_adapters import _convert_safetensor_with_model_config
+    from max.pipelines.lib.registry import PIPELINE_REGISTRY
+
+    from gdfold_max.integrations.max_qwen3_5_serve import dflash2
+
+    target, draft = dflash2_checkpoint["target"], dflash2_checkpoint["draft"]
+    pipeline = example["dflash2_pipeline_config"](target, draft)
+    adapter = PIPELINE_REGISTRY.architecture_for_config(pipeline).weight_adapters[WeightsFormat.safetensors]
+    hf = pipeline.model.huggingface_config
+    state_dict = adapter(dict(load_weights([target / "model.safetensors"]).items()), huggingface_config=hf,
+                         pipeline_config=pipeline)
+    kv = dflash2.FusedDflash2Model.get_kv_params(huggingface_config=hf, pipeline_config=pipeline,
+                                                 devices=[DeviceRef.GPU()], kv_cache_config=pipeline.model.kv_cache,
+                                                 cache_dtype=DType.bfloat16)
+    model = object.__new__(dflash2.FusedDflash2Model)
+    model.pipeline_config = pipeline
+    model.devices = [CPU()]
+    model.memory_plan = SimpleNamespace(planned_max_length=256)  # type: ignore[assignment]
+    drafter = pipeline.draft_model
+    # As MAX's _load_state_dict reads the drafter (unified_dflash2_qwen3_5/model.py:160-178).
+    model._draft_state_dict = _convert_safetensor_with_model_config(
+        dict(load_weights([draft / "model.safetensors"]).items()), drafter.huggingface_config, drafter)
+    config = model._create_model_config(state_dict)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allreduce, "Accelerator", lambda id: CPU())
+        patch.setattr(graph_ops, "wait_host_value_with_dep", lambda *args, **kwargs: None)
+        graph, _ = model._build_graph_for_compile(None, state_dict, config)  # type: ignore[arg-type]
+        # A driver like the one the builder made, for its regions and MAX's signature.
+        driver = dflash2.FusedDflash2Driver(config, enable_structured_output=True)
+    planner = dflash2.FusedDflash2MemoryPlanner(dflash2.FusedDflash2Config.initialize(pipeline, max_seq_len=256))
+    return {"graph": graph, "kv": kv, "model_kv": model.kv_params, "config": config, "planner": planner,
+            "driver": driver, "pipeline": pipeline, "text": str(graph)}
+
+
+def test_dflash2_s_three_sites_of_the_ring_geometry_agree(dflash2_graph: dict, example: dict) -> None:
+    from max.nn.kv_cache import recurrent_leaf
+    from max.pipelines.architectures.qwen3_5.state_cache import ring_len_for_window
+
+    from gdfold_max.integrations.max_qwen3_5_serve import dflash2, fused
+
+    layers = example["LAYERS"] - 1
+    config = dflash2_graph["config"]
+    assert isinstance(config, dflash2.FusedDflash2Config) and isinstance(config.target, fused.FusedMTPConfig)
+    # The cache MAX allocates (get_kv_params), the cache the model keeps (the config's)
+    # and the state tail the driver declares.
+    cache = recurrent_leaf(dflash2_graph["kv"]).regions
+    assert recurrent_leaf(dflash2_graph["model_kv"]).regions == cache
+    assert tuple(dflash2_graph["driver"].state_regions) == cache
+    live, ring = cache[:2], cache[2]
+    assert [r.num_layers for r in live] == [layers, layers] and ring.num_layers == 2 * layers and ring.scratch
+    # Blocks of 8: 7 drafts, a ring of one 8-token window.
+    assert (config.block_size, dflash2_graph["pipeline"].speculative.num_speculative_tokens) == (8, 7)
+    assert ring.row_shape[:2] == (example["KEY_HEADS"], ring_len_for_window(8))
+    # Memory planning prices the same ring, both halves.
+    assert dflash2_graph["planner"].spec_state_bytes(dflash2_graph["pipeline"]) == ring.bytes_per_page
+
+
+def test_the_dflash2_graph_signature_is_max_s_then_the_carry(dflash2_graph: dict) -> None:
+    from max.dtype import DType
+    from max.pipelines.architectures.unified_dflash2_qwen3_5.unified_dflash2_qwen3_5 import UnifiedDflash2Qwen3_5
+    from max.pipelines.architectures.unified_mtp_qwen3_5.spec_state import graph_kv_params
+
+    driver = dflash2_graph["driver"]
+    ours = [v.type for v in dflash2_graph["graph"].inputs]
+    theirs = list(UnifiedDflash2Qwen3_5.input_types(driver, graph_kv_params(dflash2_graph["model_kv"])))
+    assert [str(t) for t in ours[:len(theirs)]] == [str(t) for t in theirs]
+    assert len(ours) == len(theirs) + 2
+    table, tags = ours[-2:]
+    assert (table.dtype, [str(d) for d in table.shape]) == (DType.uint32, ["gdfold_ring_blocks", "4"])
+    assert (tags.dtype, [str(d) for d in tags.shape]) == (DType.uint32, ["batch_size", "2"])
+    # Before the carry: the ring rows of both halves (no M-RoPE or penalty inputs).
+    assert [str(d) for d in ours[-3].shape] == [str(2 * len(driver.target.linear_layer_indices)), "batch_size"]
+
+
+def test_the_dflash2_graph_folds_on_load_and_never_rolls_back_the_pool(dflash2_graph: dict, example: dict) -> None:
+    layers = example["LAYERS"] - 1
+    text = dflash2_graph["text"]
+    assert text.count('"gdfold_verify_ring_fold_on_load"') == layers
+    assert text.count('"gdfold_state_fold"') == layers
+    assert text.count('"gdfold_recurrence"') == layers
+    assert text.count('"gated_delta_conv1d_verify_fwd"') == 2 * layers
+    for max_op in ("gated_delta_state_fold", "gated_delta_recurrence_verify_ring", "gated_delta_recurrence_fwd"):
+        assert f'"{max_op}"' not in text
+
+
+def test_registering_the_module_overrides_max_s_dflash2_entry(dflash2_checkpoint: dict) -> None:
+    """As the MTP test above: the bf16 checkpoint with ``--speculative-method dflash2`` and
+    the drafter resolves to our pipeline model under MAX's DFlash2 name."""
+    target, draft = dflash2_checkpoint["target"], dflash2_checkpoint["draft"]
+    script = f"""
+import runpy
+from pathlib import Path
+from max.pipelines.lib.arch_lookup import import_custom_architectures
+from max.pipelines.lib.registry import PIPELINE_REGISTRY
+ex = runpy.run_path({str(EXAMPLE)!r})
+import_custom_architectures([{MODULE!r}])
+config = ex["dflash2_pipeline_config"](Path({str(target)!r}), Path({str(draft)!r}))
+arch = PIPELINE_REGISTRY.architecture_for_config(config)
+print("ARCH", arch.name, arch.pipeline_model.__module__, arch.pipeline_model.__qualname__)
+"""
+    found = {}
+    for mode in ("fused", "fold"):
+        env = {**os.environ, "GDFOLD_MAX_QWEN3_5": mode, "PYTHONPATH": str(ROOT / "python"), "HF_HUB_OFFLINE": "1"}
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        found[mode] = next(line.split()[1:] for line in run.stdout.splitlines() if line.startswith("ARCH"))
+    name = "UnifiedDflash2Qwen3_5ForConditionalGeneration"
+    assert found["fused"] == [name, f"{MODULE}.dflash2", "FusedDflash2Model"]
+    assert found["fold"] == [name, MODULE, "PatchedDflash2Model"]
 
 
 # --- served, on a GPU -----------------------------------------------------------------

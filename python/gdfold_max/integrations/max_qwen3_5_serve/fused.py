@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
+from types import ModuleType
 from typing import Any, ClassVar
 
 from max.driver import Buffer
@@ -71,21 +72,22 @@ class FusedMTPConfig(UnifiedMTPQwen3_5Config):
 
     @classmethod
     def construct_kv_params(cls, *args: Any, **kwargs: Any) -> Any:
-        params = super().construct_kv_params(*args, **kwargs)
-        state = recurrent_leaf(params)
-        if state is None:
-            return params
-        assert isinstance(params, MultiKVCacheParams)
-        children = dict(params.children)
-        children[STATE_CACHE_KEY] = _with_regions(state, two_half_ring(state.regions))
-        return MultiKVCacheParams.from_params(children)
+        return two_half_kv_params(super().construct_kv_params(*args, **kwargs))
 
     def _per_request_ring_bytes(self, ring_len: int) -> int:
         return sum(r.bytes_per_page for r in two_half_ring(self._linear_regions(ring_len)) if r.scratch)
 
 
-def _with_regions(state: Any, regions: tuple[Any, ...]) -> Any:
-    return replace(state, regions=regions)
+def two_half_kv_params(params: Any) -> Any:
+    """A cache's params with its recurrent state child's ring in two halves
+    (:func:`.ring.two_half_ring`); params without a state child as they are."""
+    state = recurrent_leaf(params)
+    if state is None:
+        return params
+    assert isinstance(params, MultiKVCacheParams)
+    children = dict(params.children)
+    children[STATE_CACHE_KEY] = replace(state, regions=two_half_ring(state.regions))
+    return MultiKVCacheParams.from_params(children)
 
 
 class FusedMTPMemoryPlanner(UnifiedMTPQwen3_5MemoryPlanner):
@@ -150,11 +152,47 @@ class FusedRecurrentState(Qwen3_5RecurrentState):
             write_carry(extra[CARRY_TABLES][i], carry, counts[i])
 
 
-class FusedUnifiedMTPQwen3_5(UnifiedMTPQwen3_5):
-    """MAX's MTP driver (``unified_mtp_qwen3_5/unified_mtp_qwen3_5.py:68-190``) over
-    the two-half ring, with :class:`FusedRecurrentState` and our layer in every Gated
-    DeltaNet shard of the target. Its graph inputs are MAX's, then the carry's
-    (:func:`.ring.carry_input_types`), last."""
+def fuse_driver(driver: Any) -> None:
+    """Turns a freshly built MAX driver over a Qwen3.5 target (MAX's MTP or DFlash2
+    one: each keeps its target in ``target``, its ``Qwen3_5RecurrentState`` in
+    ``_target.state`` and its regions in ``state_regions``) into the fused one: the
+    two-half ring, :class:`FusedRecurrentState`, and our layer in every Gated DeltaNet
+    shard of the target."""
+    regions: tuple[Any, ...] = driver.state_regions
+    driver.state_regions = two_half_ring(regions)
+    driver._target.state = FusedRecurrentState(driver.target, driver.state_regions)
+    for index in driver.target.linear_layer_indices:
+        block = driver.target.layers[index]
+        assert isinstance(block, Qwen3_5LinearAttentionBlock)
+        for shard in block.linear_attn_shards:
+            shard.__class__ = FusedGatedDeltaNet  # adds no weights or state: only __call__
+
+
+class CarryInputs:
+    """The carry's graph inputs after the driver's own (:func:`.ring.carry_input_types`),
+    for a driver class that lists this before MAX's driver: ``input_types`` appends
+    them, and ``__call__`` hands them to the state through ``extra``."""
+
+    config: Any
+
+    def input_types(self, kv_params: Any = None) -> tuple[Any, ...]:
+        theirs: tuple[Any, ...] = super().input_types(kv_params)  # type: ignore[misc]
+        return (*theirs, *carry_input_types(self.config.devices))
+
+    def __call__(self, *args: Any, extra: Mapping[str, Any], **kwargs: Any) -> Any:
+        """MAX's builders read their inputs up to the last of their own; the carry's
+        follow, taken here from the graph being built."""
+        n = len(self.config.devices)
+        inputs = Graph.current.inputs
+        ours = inputs[len(inputs) - 2 * n:]
+        extra = {**extra, CARRY_TABLES: [v.buffer for v in ours[:n]], CARRY_TAGS: [v.tensor for v in ours[n:]]}
+        return super().__call__(*args, extra=extra, **kwargs)  # type: ignore[misc]
+
+
+class FusedUnifiedMTPQwen3_5(CarryInputs, UnifiedMTPQwen3_5):
+    """MAX's MTP driver (``unified_mtp_qwen3_5/unified_mtp_qwen3_5.py:68-190``) made
+    fused by :func:`fuse_driver`. Its graph inputs are MAX's, then the carry's; MAX's
+    builder (``unified_mtp_qwen3_5/model.py:208-256``) reads its own up to the last."""
 
     def __init__(self, config: Any, speculative_config: Any = None, enable_structured_output: bool = False) -> None:
         super().__init__(config, speculative_config=speculative_config,
@@ -166,27 +204,7 @@ class FusedUnifiedMTPQwen3_5(UnifiedMTPQwen3_5):
             # Each layer's previous ring rows are bound per layer while the graph is
             # built; a shared subgraph would bake layer 0's into every layer.
             raise ValueError("use_subgraphs: the fused step needs each layer traced inline")
-        regions: tuple[Any, ...] = getattr(self, "state_regions")  # noqa: B009 (set by MAX's __init__)
-        self.state_regions = two_half_ring(regions)
-        self._target.state = FusedRecurrentState(self.target, self.state_regions)
-        for index in self.target.linear_layer_indices:
-            block = self.target.layers[index]
-            assert isinstance(block, Qwen3_5LinearAttentionBlock)
-            for shard in block.linear_attn_shards:
-                shard.__class__ = FusedGatedDeltaNet  # adds no weights or state: only __call__
-
-    def input_types(self, kv_params: Any = None) -> tuple[Any, ...]:
-        return (*super().input_types(kv_params), *carry_input_types(self.config.devices))
-
-    def __call__(self, *args: Any, extra: Mapping[str, Any], **kwargs: Any) -> Any:
-        """MAX's builder (``unified_mtp_qwen3_5/model.py:208-256``) reads its inputs up
-        to the last of its own; the carry's follow, taken here from the graph being
-        built."""
-        n = len(self.config.devices)
-        inputs = Graph.current.inputs
-        ours = inputs[len(inputs) - 2 * n:]
-        extra = {**extra, CARRY_TABLES: [v.buffer for v in ours[:n]], CARRY_TAGS: [v.tensor for v in ours[n:]]}
-        return super().__call__(*args, extra=extra, **kwargs)
+        fuse_driver(self)
 
 
 @dataclass(kw_only=True)
@@ -227,20 +245,20 @@ class FusedMTPBatchProcessor(UnifiedMTPQwen3_5BatchProcessor):
         return FusedMTPInputs(**values, carry_tables=carry_tables, carry_tags=carry_tags)
 
 
-_nn_lock = threading.Lock()
+_rebind_lock = threading.RLock()
 
 
 @contextmanager
-def _building(nn_class: type) -> Iterator[None]:
-    """Binds ``nn_class`` where MAX's builder looks its driver class up
-    (``unified_mtp_qwen3_5/model.py:186``, the module name ``UnifiedMTPQwen3_5``)."""
-    with _nn_lock:
-        before = mtp_model.UnifiedMTPQwen3_5
-        mtp_model.UnifiedMTPQwen3_5 = nn_class
+def rebound(module: ModuleType, name: str, value: Any) -> Iterator[None]:
+    """Binds ``value`` to ``module.name`` for the block, where a MAX function looks a
+    class up by its module-level name; one block at a time (re-entrant)."""
+    with _rebind_lock:
+        before = getattr(module, name)
+        setattr(module, name, value)
         try:
             yield
         finally:
-            mtp_model.UnifiedMTPQwen3_5 = before
+            setattr(module, name, before)
 
 
 class FusedMTPModel(UnifiedMTPQwen3_5Model):
@@ -257,5 +275,7 @@ class FusedMTPModel(UnifiedMTPQwen3_5Model):
 
     def _build_graph_for_compile(self, session: InferenceSession, state_dict: dict[str, Any],
                                  model_config: Any) -> tuple[Graph, dict[str, Any]]:
-        with default_custom_extensions_scope(kernels_path()), _building(FusedUnifiedMTPQwen3_5):
+        # MAX's builder looks its driver class up by module name (model.py:186).
+        with default_custom_extensions_scope(kernels_path()), rebound(mtp_model, "UnifiedMTPQwen3_5",
+                                                                      FusedUnifiedMTPQwen3_5):
             return super()._build_graph_for_compile(session, state_dict, model_config)

@@ -1,0 +1,326 @@
+"""Output tokens per second of ``max serve`` on Qwen3.5 with MTP: MAX's own pipeline, our
+fold-only route and our fused route, with bf16 and fp32 state pools, at 1, 8 and 64
+concurrent requests.
+
+Writes a random-weight Qwen3.5-with-MTP checkpoint with Qwen3-Next-80B's Gated DeltaNet
+shapes (nv 32, nk 16, K = V = 128, hidden 2048; three Gated DeltaNet layers and one
+full-attention layer, a small MLP and vocabulary, so it builds quickly) with the writer of
+``examples/max_qwen3_5_pipeline.py``, then serves it once per route and pool, one server
+at a time, each timed alone:
+
+* ``max``: ``max serve --speculative-method mtp`` (MAX's ``unified_mtp_qwen3_5``);
+* ``fold``: the same with ``--custom-architectures gdfold_max.integrations.max_qwen3_5_serve``
+  and ``GDFOLD_MAX_QWEN3_5=fold`` (MAX's pipeline, its rollback folding with our fold);
+* ``fused``: ``GDFOLD_MAX_QWEN3_5=fused`` (our verify with fold on load, no rollback fold).
+
+The state pool dtype: MAX 26.7 stores Qwen3.5's conv and recurrent pools at
+``Qwen3_5Config.state_dtype``: ``--state-pool-dtype`` (``KVCacheConfig.state_pool_dtype``)
+when given, else the dtype the checkpoint's config declares, else bf16
+(``qwen3_5/model_config.py``, ``declared_state_dtype`` and ``state_dtype``). The checkpoint
+here is bf16, and each server is given ``--state-pool-dtype`` explicitly. The verify ring
+is fp32 either way (``state_cache.RING_DTYPE``).
+
+Each server: started, ``/health`` awaited, then for each concurrency one untimed wave of
+that many requests, then ``--waves`` waves timed: every request greedy (``temperature
+0``), ``ignore_eos``, the same prompt length and ``max_tokens``, at most ``concurrency``
+in flight. Tokens per second is the output tokens the server reports (``usage``) over
+the wall time from the first request sent to the last answer. The weights are random, so
+the drafts are almost never accepted: the table compares the cost of a served step, not
+a speculative speed-up.
+
+Prints a header line (command, GPU, date, commit) and one table, the ratio ours / MAX
+per route, and writes the same as JSON. Needs a GPU; ``--print-commands`` prints the
+server commands and stops.
+
+    python bench/integrations/serve_throughput.py [--concurrency 1 8 64] [--pools bfloat16 float32]
+        [--routes max fold fused] [--prompt-len 128] [--output-len 256] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import runpy
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "max_qwen3_5_pipeline.py"
+MODULE = "gdfold_max.integrations.max_qwen3_5_serve"
+ROUTES = ("max", "fold", "fused")
+OURS = ("fold", "fused")
+POOLS = ("bfloat16", "float32")
+#: The checkpoint's sizes (``Shapes`` of the example): Qwen3-Next-80B's Gated DeltaNet and
+#: full-attention heads, the rest small.
+SHAPES = {"hidden": 2048, "layers": 4, "vocab": 2048, "key_heads": 16, "value_heads": 32, "head_dim": 128,
+          "ffn": 1024, "attention_heads": 16, "kv_heads": 2, "attention_head_dim": 256, "dtype": "bfloat16"}
+SERVED_NAME = "qwen3_5-next-shapes"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
+    parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS), help="state pool dtypes")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--waves", type=int, default=4, help="timed requests per concurrency = waves * concurrency")
+    parser.add_argument("--drafts", type=int, default=3, help="--num-speculative-tokens")
+    parser.add_argument("--memory", type=float, default=0.8, help="--device-memory-utilization")
+    parser.add_argument("--folder", type=Path, help="where to write the checkpoint (default: a temporary folder)")
+    parser.add_argument("--logs", type=Path, default=Path("serve-throughput-logs"),
+                        help="where the servers' logs go (default: serve-throughput-logs here)")
+    parser.add_argument("--json", type=Path, help="JSON output (default: serve-throughput-DATE.json here)")
+    parser.add_argument("--ready-s", type=float, default=1800.0, help="how long a server may take to start")
+    parser.add_argument("--print-commands", action="store_true", help="print the server commands and stop")
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1:
+        parser.error("--concurrency, --waves, --prompt-len and --output-len must be positive")
+    return args
+
+
+def max_executable() -> str:
+    beside = Path(sys.executable).with_name("max")
+    return str(beside) if beside.exists() else "max"
+
+
+def max_length(args: argparse.Namespace) -> int:
+    """The servers' ``--max-length``: a prompt, its output and two verify windows of slack,
+    rounded up to a multiple of 256."""
+    needed = args.prompt_len + args.output_len + 2 * (args.drafts + 1)
+    return -(-needed // 256) * 256
+
+
+def serve_command(route: str, pool: str, folder: Path, port: int, args: argparse.Namespace,
+                  environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The ``max serve`` command line and environment of one server."""
+    if route not in ROUTES or pool not in POOLS:
+        raise ValueError(f"route {route!r}, pool {pool!r}")
+    argv = [max_executable(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
+            "--quantization-encoding", "bfloat16", "--state-pool-dtype", pool,
+            "--max-length", str(max_length(args)),
+            "--max-batch-size", str(max(args.concurrency)), "--device-memory-utilization", str(args.memory),
+            "--no-device-graph-capture", "--speculative-method", "mtp", "--num-speculative-tokens", str(args.drafts),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
+    env = dict(os.environ if environ is None else environ)
+    env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))}
+    env.pop("GDFOLD_MAX_QWEN3_5", None)
+    if route in OURS:
+        argv += ["--custom-architectures", MODULE]
+        env["GDFOLD_MAX_QWEN3_5"] = route
+    return argv, env
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Fixed token-id prompts (ordinary tokens only: below the special ones)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(count)]
+
+
+def rate(output_tokens: int, seconds: float) -> float:
+    return output_tokens / seconds if seconds > 0 else float("nan")
+
+
+def rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (pool, concurrency): each route's tokens per second and ours / MAX."""
+    by_key: dict[tuple[str, int], dict[str, float]] = {}
+    for r in results:
+        by_key.setdefault((r["pool"], r["concurrency"]), {})[r["route"]] = r["tokens_per_s"]
+    out = []
+    for (pool, concurrency), rates in sorted(by_key.items(), key=lambda kv: (POOLS.index(kv[0][0]), kv[0][1])):
+        row: dict[str, Any] = {"pool": pool, "concurrency": concurrency}
+        for route in ROUTES:
+            row[route] = rates.get(route)
+        for route in OURS:
+            mine, theirs = rates.get(route), rates.get("max")
+            row[f"{route}/max"] = mine / theirs if mine is not None and theirs else None
+        out.append(row)
+    return out
+
+
+def table(results: Sequence[dict[str, Any]], title: str = "output tokens per second") -> Any:
+    """The rich table of :func:`rows`."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("pool")
+    t.add_column("concurrent", justify="right")
+    for name in ("MAX", "fold", "fold / MAX", "fused", "fused / MAX"):
+        t.add_column(name, justify="right")
+
+    def tps(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    for row in rows(results):
+        t.add_row(row["pool"], str(row["concurrency"]), tps(row["max"]), tps(row["fold"]), ratio(row["fold/max"]),
+                  tps(row["fused"]), ratio(row["fused/max"]))
+    return t
+
+
+def header(argv: Sequence[str], gpu: str, date: str, commit: str) -> str:
+    return f"# {shlex.join(argv)} | GPU: {gpu} | {date} | commit {commit}"
+
+
+def gpu_name() -> str:
+    try:
+        run = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=60)
+        names = [line.strip() for line in run.stdout.splitlines() if line.strip()]
+        return names[0] if names else "unknown GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+
+
+def commit() -> str:
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_ready(url: str, proc: subprocess.Popen, log: Path, ready_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + ready_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"max serve exited {proc.returncode}; the end of {log}:\n{log.read_text()[-4000:]}")
+            try:
+                if (await client.get(url + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"max serve not ready after {ready_s:.0f} s; see {log}")
+            await asyncio.sleep(2)
+
+
+async def wave(client: Any, url: str, batch: list[list[int]], output_len: int, concurrency: int) -> tuple[int, float]:
+    """Sends ``batch``, at most ``concurrency`` in flight; returns the output tokens the
+    server reports and the seconds from the first send to the last answer."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> int:
+        async with gate:
+            reply = await client.post(url + "/v1/completions", json={
+                "model": SERVED_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+                "ignore_eos": True})
+        if reply.status_code != 200:
+            raise SystemExit(f"completion failed ({reply.status_code}): {reply.text[:2000]}")
+        tokens = int(reply.json()["usage"]["completion_tokens"])
+        if tokens != output_len:
+            print(f"warning: {tokens} output tokens, {output_len} asked", file=sys.stderr)
+        return tokens
+
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in batch))
+    return sum(counts), time.perf_counter() - started
+
+
+async def measure_server(url: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        for concurrency in args.concurrency:
+            await wave(client, url, prompts(concurrency, args.prompt_len, vocab, seed=1000 + concurrency),
+                       args.output_len, concurrency)
+            timed = prompts(args.waves * concurrency, args.prompt_len, vocab, seed=concurrency)
+            tokens, seconds = await wave(client, url, timed, args.output_len, concurrency)
+            out.append({"concurrency": concurrency, "requests": len(timed), "output_tokens": tokens,
+                        "seconds": seconds, "tokens_per_s": rate(tokens, seconds)})
+            print(f"  {concurrency:>3} concurrent: {tokens} tokens in {seconds:.2f} s,"
+                  f" {rate(tokens, seconds):,.1f} tokens/s", flush=True)
+    return out
+
+
+def serve_and_measure(route: str, pool: str, folder: Path, logs: Path, args: argparse.Namespace,
+                      vocab: int) -> list[dict[str, Any]]:
+    port = free_port()
+    argv, env = serve_command(route, pool, folder, port, args)
+    log_path = logs / f"{route}-{pool}.log"
+    with log_path.open("w") as log:
+        log.write(shlex.join(argv) + "\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            started = time.perf_counter()
+            asyncio.run(wait_ready(url, proc, log_path, args.ready_s))
+            print(f"{route}, {pool} pools: ready in {time.perf_counter() - started:.0f} s", flush=True)
+            measured = asyncio.run(measure_server(url, args, vocab))
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(30)
+    return [{"route": route, "pool": pool, **m} for m in measured]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    example = runpy.run_path(str(EXAMPLE))
+    shapes = example["Shapes"](**SHAPES)
+    vocab = shapes.vocab - len(example["SPECIAL_TOKENS"])
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.folder or Path(scratch) / "qwen3_5-next-shapes"
+        if args.print_commands:
+            for pool in args.pools:
+                for route in args.routes:
+                    command, env = serve_command(route, pool, folder, 8000, args)
+                    mode = f"GDFOLD_MAX_QWEN3_5={env['GDFOLD_MAX_QWEN3_5']} " if route in OURS else ""
+                    print(mode + shlex.join(command))
+            return
+        if not (folder / "model.safetensors").exists():
+            example["write_checkpoint"](folder, shapes)
+        logs = args.logs
+        logs.mkdir(parents=True, exist_ok=True)
+        date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        head = header([sys.executable, *sys.argv] if argv is None else ["serve_throughput.py", *argv], gpu_name(),
+                      date, commit())
+        print(head, flush=True)
+        results: list[dict[str, Any]] = []
+        for pool in args.pools:
+            for route in args.routes:
+                results += serve_and_measure(route, pool, folder, logs, args, vocab)
+    from rich.console import Console
+
+    print(head)
+    Console().print(table(results))
+    out = args.json or Path(f"serve-throughput-{date[:10]}.json")
+    out.write_text(json.dumps({"header": head, "shapes": SHAPES, "args": {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results,
+        "rows": rows(results)}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -24,13 +24,12 @@ import argparse
 import asyncio
 import os
 import runpy
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
 
 HERE = Path(__file__).resolve().parent
 MODULE = "gdfold_max.integrations.max_qwen3_5_serve"
@@ -58,22 +57,10 @@ def command(folder: Path, port: int, mode: str, draft: Path | None = None) -> tu
     return argv, env
 
 
-async def ask(url: str, new_tokens: int, ready_s: float, server: subprocess.Popen) -> list[list[int]]:
+async def ask(url: str, new_tokens: int) -> list[list[int]]:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as client:
-        deadline = time.monotonic() + ready_s
-        while True:
-            try:
-                if (await client.get(url + "/health")).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit(f"max serve exited {server.returncode} before it was ready (see its log)")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the server was not ready after {ready_s:.0f} s")
-            await asyncio.sleep(2)
 
         async def one(prompt: list[int]) -> list[int]:
             reply = await client.post(url + "/v1/completions", json={
@@ -105,9 +92,7 @@ def main() -> None:
         draft = checkpoint["write_dflash2_draft"](where.with_name(where.name + "-dflash2-draft"), shapes)
     else:
         folder = checkpoint["write_checkpoint"](where)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     argv, env = command(folder, port, args.mode, draft)
     shown = ("" if args.mode == "max" else f"GDFOLD_MAX_QWEN3_5={args.mode} ") + " ".join(argv)
     print(f"checkpoint in {folder}\n{shown}", flush=True)
@@ -118,20 +103,14 @@ def main() -> None:
         print("no GPU here: MAX builds Qwen3.5 pipelines on GPUs only; stopping before the server")
         return
     log = folder.parent / f"max-serve-{args.mode}.log"
-    with log.open("w") as stream:
-        server = subprocess.Popen(argv, stdout=stream, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            started = time.monotonic()
-            rows = asyncio.run(ask(f"http://127.0.0.1:{port}", args.new_tokens, args.ready_s, server))
-            print(f"served in {time.monotonic() - started:.0f} s (server log: {log})")
-            for prompt, row in zip(PROMPTS, rows, strict=True):
-                print(f"{prompt} -> {row}")
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+    url = f"http://127.0.0.1:{port}"
+    with running(argv, env, log) as server:
+        started = time.monotonic()
+        asyncio.run(wait_ready(url, server, log, args.ready_s))
+        rows = asyncio.run(ask(url, args.new_tokens))
+        print(f"served in {time.monotonic() - started:.0f} s (server log: {log})")
+        for prompt, row in zip(PROMPTS, rows, strict=True):
+            print(f"{prompt} -> {row}")
 
 
 if __name__ == "__main__":

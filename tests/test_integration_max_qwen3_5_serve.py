@@ -23,8 +23,6 @@ import os
 import re
 import runpy
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -364,8 +362,18 @@ def test_the_three_sites_of_the_ring_geometry_agree(fused_graph: dict, example: 
     assert ring.row_shape[2] >= example["HEAD_DIM"] + heads_per_key * (example["HEAD_DIM"] + 1)
 
 
-def test_the_fused_graph_signature_is_max_s_then_the_carry(fused_graph: dict) -> None:
+def assert_max_s_inputs_then_the_carry(ours: list, theirs: list) -> None:
+    """Our graph's inputs are MAX's, in MAX's order, then the carry's table and tags."""
     from max.dtype import DType
+
+    assert [str(t) for t in ours[:len(theirs)]] == [str(t) for t in theirs]
+    assert len(ours) == len(theirs) + 2
+    table, tags = ours[-2:]
+    assert (table.dtype, [str(d) for d in table.shape]) == (DType.uint32, ["gdfold_ring_blocks", "4"])
+    assert (tags.dtype, [str(d) for d in tags.shape]) == (DType.uint32, ["batch_size", "2"])
+
+
+def test_the_fused_graph_signature_is_max_s_then_the_carry(fused_graph: dict) -> None:
     from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import UnifiedMTPQwen3_5
 
     nn = fused_graph["nn"]
@@ -373,11 +381,7 @@ def test_the_fused_graph_signature_is_max_s_then_the_carry(fused_graph: dict) ->
     from max.pipelines.architectures.unified_mtp_qwen3_5.spec_state import graph_kv_params
 
     theirs = list(UnifiedMTPQwen3_5.input_types(nn, graph_kv_params(fused_graph["model_kv"])))
-    assert [str(t) for t in ours[:len(theirs)]] == [str(t) for t in theirs]
-    assert len(ours) == len(theirs) + 2
-    table, tags = ours[-2:]
-    assert (table.dtype, [str(d) for d in table.shape]) == (DType.uint32, ["gdfold_ring_blocks", "4"])
-    assert (tags.dtype, [str(d) for d in tags.shape]) == (DType.uint32, ["batch_size", "2"])
+    assert_max_s_inputs_then_the_carry(ours, theirs)
     # Before the carry: the ring rows of both halves, then the M-RoPE positions.
     assert nn.target.mrope_enabled
     assert [str(d) for d in ours[-3].shape] == ["3", "merged_total_seq_len"]
@@ -515,18 +519,13 @@ def test_dflash2_s_three_sites_of_the_ring_geometry_agree(dflash2_graph: dict, e
 
 
 def test_the_dflash2_graph_signature_is_max_s_then_the_carry(dflash2_graph: dict) -> None:
-    from max.dtype import DType
     from max.pipelines.architectures.unified_dflash2_qwen3_5.unified_dflash2_qwen3_5 import UnifiedDflash2Qwen3_5
     from max.pipelines.architectures.unified_mtp_qwen3_5.spec_state import graph_kv_params
 
     driver = dflash2_graph["driver"]
     ours = [v.type for v in dflash2_graph["graph"].inputs]
     theirs = list(UnifiedDflash2Qwen3_5.input_types(driver, graph_kv_params(dflash2_graph["model_kv"])))
-    assert [str(t) for t in ours[:len(theirs)]] == [str(t) for t in theirs]
-    assert len(ours) == len(theirs) + 2
-    table, tags = ours[-2:]
-    assert (table.dtype, [str(d) for d in table.shape]) == (DType.uint32, ["gdfold_ring_blocks", "4"])
-    assert (tags.dtype, [str(d) for d in tags.shape]) == (DType.uint32, ["batch_size", "2"])
+    assert_max_s_inputs_then_the_carry(ours, theirs)
     # Before the carry: the ring rows of both halves (no M-RoPE or penalty inputs).
     assert [str(d) for d in ours[-3].shape] == [str(2 * len(driver.target.linear_layer_indices)), "batch_size"]
 
@@ -578,12 +577,6 @@ NEW_TOKENS = 12
 READY_S = 1500.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def max_command() -> list[str]:
     script = Path(sys.executable).with_name("max")
     found = script if script.exists() else shutil.which("max")
@@ -597,6 +590,8 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative
            extra: tuple[str, ...] = ()) -> Iterator[dict]:
     """``max serve`` in a process group of its own, until the block ends (SIGTERM, then
     SIGKILL to that group only)."""
+    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running
+
     port = free_port()
     argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
             "--quantization-encoding", "float32", "--max-length", "256", "--max-batch-size", "2",
@@ -610,39 +605,37 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative
     if mode is not None:
         argv += ["--custom-architectures", MODULE]
         env["GDFOLD_MAX_QWEN3_5"] = mode
-    log = (logs / f"{name}.log").open("w")
-    log.write(" ".join(argv) + "\n")
-    log.flush()
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log = logs / f"{name}.log"
+    with running(argv, env, log) as proc:
+        yield {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
+
+
+async def ready(server: dict, deadline: float) -> None:
+    """``wait_ready`` for one of several servers that share a deadline."""
+    from gdfold_max.integrations.max_qwen3_5_serve.server import wait_ready
+
     try:
-        yield {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": logs / f"{name}.log"}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-        log.close()
+        await wait_ready(server["url"], server["proc"], server["log"], max(0.0, deadline - time.monotonic()))
+    except RuntimeError as error:
+        raise AssertionError(f"{server['name']}: {error}") from error
 
 
-async def wait_ready(server: dict, deadline: float) -> None:
-    import httpx
+def test_a_server_is_waited_for_and_stopped(tmp_path: Path) -> None:
+    """The process helpers the served test, example and benchmark share, on a plain HTTP
+    server: ready once /health answers 200, stopped at the block's end; a process that
+    exits first is named with its exit status and its log."""
+    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
 
-    async with httpx.AsyncClient(timeout=5) as client:
-        while True:
-            if server["proc"].poll() is not None:
-                tail = server["log"].read_text()[-4000:]
-                raise AssertionError(f"{server['name']}: max serve exited {server['proc'].returncode}\n{tail}")
-            try:
-                if (await client.get(server["url"] + "/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{server['name']}: not ready after {READY_S:.0f} s")
-            await asyncio.sleep(2)
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    with running(argv, dict(os.environ), tmp_path / "http.log") as proc:
+        asyncio.run(wait_ready(f"http://127.0.0.1:{port}", proc, tmp_path / "http.log", 60))
+    assert proc.returncode is not None
+    assert (tmp_path / "http.log").read_text().startswith(" ".join(argv))
+    with running([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "dead.log") as proc:
+        with pytest.raises(RuntimeError, match="max serve exited 3"):
+            asyncio.run(wait_ready(f"http://127.0.0.1:{free_port()}", proc, tmp_path / "dead.log", 60))
 
 
 async def completion_ids(client: Any, url: str, prompt: list[int]) -> list[int]:
@@ -722,7 +715,7 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
 
         async def everything() -> dict:
             deadline = time.monotonic() + READY_S
-            await asyncio.gather(*(wait_ready(s, deadline) for s in servers.values()))
+            await asyncio.gather(*(ready(s, deadline) for s in servers.values()))
             results = await asyncio.gather(*(exercise(s) for s in servers.values()))
             return dict(zip(servers, results, strict=True))
 

@@ -45,8 +45,6 @@ import json
 import os
 import runpy
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -196,30 +194,6 @@ def commit() -> str:
     return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def wait_ready(url: str, proc: subprocess.Popen, log: Path, ready_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + ready_s
-    async with httpx.AsyncClient(timeout=5) as client:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"max serve exited {proc.returncode}; the end of {log}:\n{log.read_text()[-4000:]}")
-            try:
-                if (await client.get(url + "/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"max serve not ready after {ready_s:.0f} s; see {log}")
-            await asyncio.sleep(2)
-
-
 async def wave(client: Any, url: str, batch: list[list[int]], output_len: int, concurrency: int) -> tuple[int, float]:
     """Sends ``batch``, at most ``concurrency`` in flight; returns the output tokens the
     server reports and the seconds from the first send to the last answer."""
@@ -261,27 +235,17 @@ async def measure_server(url: str, args: argparse.Namespace, vocab: int) -> list
 
 def serve_and_measure(route: str, pool: str, folder: Path, logs: Path, args: argparse.Namespace,
                       vocab: int) -> list[dict[str, Any]]:
+    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
+
     port = free_port()
     argv, env = serve_command(route, pool, folder, port, args)
-    log_path = logs / f"{route}-{pool}.log"
-    with log_path.open("w") as log:
-        log.write(shlex.join(argv) + "\n")
-        log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            started = time.perf_counter()
-            asyncio.run(wait_ready(url, proc, log_path, args.ready_s))
-            print(f"{route}, {pool} pools: ready in {time.perf_counter() - started:.0f} s", flush=True)
-            measured = asyncio.run(measure_server(url, args, vocab))
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(30)
+    log = logs / f"{route}-{pool}.log"
+    with running(argv, env, log) as proc:
+        url = f"http://127.0.0.1:{port}"
+        started = time.perf_counter()
+        asyncio.run(wait_ready(url, proc, log, args.ready_s))
+        print(f"{route}, {pool} pools: ready in {time.perf_counter() - started:.0f} s", flush=True)
+        measured = asyncio.run(measure_server(url, args, vocab))
     return [{"route": route, "pool": pool, **m} for m in measured]
 
 

@@ -388,6 +388,18 @@ def test_the_fused_graph_signature_is_max_s_then_the_carry(fused_graph: dict) ->
     assert [str(d) for d in ours[-4].shape] == [str(2 * len(nn.target.linear_layer_indices)), "batch_size"]
 
 
+def assert_our_ops_only(text: str, layers: int) -> None:
+    """In a graph's text: per Gated DeltaNet layer one verify with fold on load, and one
+    fold and one forward (its width-0 branch), the conv in the verify and in MAX's conv
+    rollback; none of MAX's verify, forward or fold."""
+    assert text.count('"gdfold_verify_ring_fold_on_load"') == layers
+    assert text.count('"gdfold_state_fold"') == layers
+    assert text.count('"gdfold_recurrence"') == layers
+    assert text.count('"gated_delta_conv1d_verify_fwd"') == 2 * layers
+    for max_op in ("gated_delta_state_fold", "gated_delta_recurrence_verify_ring", "gated_delta_recurrence_fwd"):
+        assert f'"{max_op}"' not in text
+
+
 def test_the_fused_graph_folds_on_load_and_never_rolls_back_the_pool(fused_graph: dict, example: dict) -> None:
     """Every Gated DeltaNet layer of the target verifies with fold on load (and, at a
     verify width of 0, folds then runs the window: our fold and our forward); MAX's
@@ -395,12 +407,7 @@ def test_the_fused_graph_folds_on_load_and_never_rolls_back_the_pool(fused_graph
     in MAX's conv rollback of each layer."""
     layers = example["LAYERS"] - 1
     text = fused_graph["text"]
-    assert text.count('"gdfold_verify_ring_fold_on_load"') == layers
-    assert text.count('"gdfold_state_fold"') == layers
-    assert text.count('"gdfold_recurrence"') == layers
-    assert text.count('"gated_delta_conv1d_verify_fwd"') == 2 * layers
-    for max_op in ("gated_delta_state_fold", "gated_delta_recurrence_verify_ring", "gated_delta_recurrence_fwd"):
-        assert f'"{max_op}"' not in text
+    assert_our_ops_only(text, layers)
 
 
 def test_registering_the_module_overrides_max_s_entry_for_the_checkpoint(example: dict, tmp_path: Path) -> None:
@@ -533,12 +540,7 @@ def test_the_dflash2_graph_signature_is_max_s_then_the_carry(dflash2_graph: dict
 def test_the_dflash2_graph_folds_on_load_and_never_rolls_back_the_pool(dflash2_graph: dict, example: dict) -> None:
     layers = example["LAYERS"] - 1
     text = dflash2_graph["text"]
-    assert text.count('"gdfold_verify_ring_fold_on_load"') == layers
-    assert text.count('"gdfold_state_fold"') == layers
-    assert text.count('"gdfold_recurrence"') == layers
-    assert text.count('"gated_delta_conv1d_verify_fwd"') == 2 * layers
-    for max_op in ("gated_delta_state_fold", "gated_delta_recurrence_verify_ring", "gated_delta_recurrence_fwd"):
-        assert f'"{max_op}"' not in text
+    assert_our_ops_only(text, layers)
 
 
 def test_registering_the_module_overrides_max_s_dflash2_entry(dflash2_checkpoint: dict) -> None:

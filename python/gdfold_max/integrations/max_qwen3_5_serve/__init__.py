@@ -53,30 +53,29 @@ def mode(environ: Mapping[str, str] | None = None) -> str:
     return value
 
 
-class PatchedMTPModel(UnifiedMTPQwen3_5Model):
-    """MAX's MTP pipeline model, built and compiled under ``patched()``."""
+class PatchedBuild:
+    """Mixed in before a MAX pipeline model: built and compiled under ``patched()``
+    (``patched(verify=True)`` where ``verify``)."""
 
     verify: bool = False
 
     def load_model(self, session: InferenceSession) -> Model:
         with max_qwen3_5.patched(verify=self.verify):
-            return super().load_model(session)
+            return super().load_model(session)  # type: ignore[misc]
+
+
+class PatchedMTPModel(PatchedBuild, UnifiedMTPQwen3_5Model):
+    """MAX's MTP pipeline model, built and compiled under ``patched()``."""
 
 
 class PatchedVerifyMTPModel(PatchedMTPModel):
     verify = True
 
 
-class PatchedDflash2Model(UnifiedDflash2Qwen3_5Model):
+class PatchedDflash2Model(PatchedBuild, UnifiedDflash2Qwen3_5Model):
     """MAX's DFlash2 pipeline model, built and compiled under ``patched()``: its target
     rolls back through the same ``fold_state_pools`` and its Gated DeltaNet layers are
     MAX's Qwen3.5 ones, so the same names are routed."""
-
-    verify: bool = False
-
-    def load_model(self, session: InferenceSession) -> Model:
-        with max_qwen3_5.patched(verify=self.verify):
-            return super().load_model(session)
 
 
 class PatchedVerifyDflash2Model(PatchedDflash2Model):

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from max.engine import InferenceSession, Model
-from max.graph import Graph, default_custom_extensions_scope
 from max.pipelines.architectures.unified_dflash2_qwen3_5 import model as dflash2_model
 from max.pipelines.architectures.unified_dflash2_qwen3_5 import model_config as dflash2_config
 from max.pipelines.architectures.unified_dflash2_qwen3_5.memory_planner import UnifiedDflash2Qwen3_5MemoryPlanner
@@ -37,8 +35,7 @@ from max.pipelines.architectures.unified_dflash2_qwen3_5.model import UnifiedDfl
 from max.pipelines.architectures.unified_dflash2_qwen3_5.model_config import UnifiedDflash2Qwen3_5Config
 from max.pipelines.architectures.unified_dflash2_qwen3_5.unified_dflash2_qwen3_5 import UnifiedDflash2Qwen3_5
 
-from ...ops.kernels import kernels_path
-from .fused import CarryInputs, FusedMTPBatchProcessor, FusedMTPConfig, fuse_driver, rebound
+from .fused import CarryInputs, FusedBuild, FusedMTPBatchProcessor, FusedMTPConfig, fuse_driver, rebound
 
 
 class FusedDflash2Config(UnifiedDflash2Qwen3_5Config):
@@ -78,13 +75,14 @@ class FusedDflash2Driver(CarryInputs, UnifiedDflash2Qwen3_5):
         fuse_driver(self)
 
 
-class FusedDflash2Model(UnifiedDflash2Qwen3_5Model):
+class FusedDflash2Model(FusedBuild, UnifiedDflash2Qwen3_5Model):
     """MAX's DFlash2 pipeline model, its config and cache from :class:`FusedDflash2Config`,
     built with :class:`FusedDflash2Driver` by MAX's own graph builder, our kernels among
     the default custom extensions while it compiles."""
 
     batch_processor_cls: ClassVar[type[Any]] = FusedMTPBatchProcessor
     model_config_cls: ClassVar[type[Any]] = FusedDflash2Config
+    driver_site = (dflash2_model, "UnifiedDflash2Qwen3_5", FusedDflash2Driver)
 
     @classmethod
     def get_kv_params(cls, *args: Any, **kwargs: Any) -> Any:
@@ -94,16 +92,6 @@ class FusedDflash2Model(UnifiedDflash2Qwen3_5Model):
     def _create_model_config(self, state_dict: dict[str, Any]) -> Any:
         with rebound(dflash2_model, "UnifiedDflash2Qwen3_5Config", FusedDflash2Config):
             return super()._create_model_config(state_dict)
-
-    def load_model(self, session: InferenceSession) -> Model:
-        with default_custom_extensions_scope(kernels_path()):
-            return super().load_model(session)
-
-    def _build_graph_for_compile(self, session: InferenceSession, state_dict: dict[str, Any],
-                                 model_config: Any) -> tuple[Graph, dict[str, Any]]:
-        with default_custom_extensions_scope(kernels_path()), rebound(dflash2_model, "UnifiedDflash2Qwen3_5",
-                                                                      FusedDflash2Driver):
-            return super()._build_graph_for_compile(session, state_dict, model_config)
 
 
 __all__ = ["FusedDflash2Config", "FusedDflash2Driver", "FusedDflash2MemoryPlanner", "FusedDflash2Model"]

@@ -261,21 +261,28 @@ def rebound(module: ModuleType, name: str, value: Any) -> Iterator[None]:
             setattr(module, name, before)
 
 
-class FusedMTPModel(UnifiedMTPQwen3_5Model):
-    """MAX's MTP pipeline model, built with :class:`FusedUnifiedMTPQwen3_5` by MAX's
-    own graph builder, our kernels among the default custom extensions while it
-    compiles."""
+class FusedBuild:
+    """Mixed in before a MAX pipeline model: MAX's own graph builder builds the graph
+    with our driver bound where the builder looks its driver class up by module name
+    (``driver_site``: module, name, our class), and our kernels are among the default
+    custom extensions while it builds and compiles."""
 
-    batch_processor_cls: ClassVar[type[Any]] = FusedMTPBatchProcessor
-    model_config_cls: ClassVar[type[Any]] = FusedMTPConfig
+    driver_site: ClassVar[tuple[ModuleType, str, type]]
 
     def load_model(self, session: InferenceSession) -> Model:
         with default_custom_extensions_scope(kernels_path()):
-            return super().load_model(session)
+            return super().load_model(session)  # type: ignore[misc]
 
     def _build_graph_for_compile(self, session: InferenceSession, state_dict: dict[str, Any],
                                  model_config: Any) -> tuple[Graph, dict[str, Any]]:
-        # MAX's builder looks its driver class up by module name (model.py:186).
-        with default_custom_extensions_scope(kernels_path()), rebound(mtp_model, "UnifiedMTPQwen3_5",
-                                                                      FusedUnifiedMTPQwen3_5):
-            return super()._build_graph_for_compile(session, state_dict, model_config)
+        with default_custom_extensions_scope(kernels_path()), rebound(*self.driver_site):
+            return super()._build_graph_for_compile(session, state_dict, model_config)  # type: ignore[misc]
+
+
+class FusedMTPModel(FusedBuild, UnifiedMTPQwen3_5Model):
+    """MAX's MTP pipeline model, built with :class:`FusedUnifiedMTPQwen3_5` by MAX's
+    own graph builder (which looks it up at model.py:186)."""
+
+    batch_processor_cls: ClassVar[type[Any]] = FusedMTPBatchProcessor
+    model_config_cls: ClassVar[type[Any]] = FusedMTPConfig
+    driver_site = (mtp_model, "UnifiedMTPQwen3_5", FusedUnifiedMTPQwen3_5)

@@ -37,26 +37,24 @@ def same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
         raise SystemExit(1)
 
 
+#: The fold's cases: (seed, shape, accepted counts, label). The smallest heads give blocks
+#: of fewer threads than records (K = V = 8: 2 threads in bf16), and K = V = 40 a tile of 8
+#: rows: every record's decay must still be staged.
+FOLD_CASES: list[tuple[int, dict[str, int], list[int], str]] = [
+    (1, {}, [0, 1, 4, 5], ""),
+    *((2, {"key_dim": k, "value_dim": k, "ring_len": 16}, [16, 15, 1, 16], f"K = V = {k}, RING_LEN 16, ")
+      for k in (8, 40)),
+]
+
+
 def run_folds(gate: Gate) -> None:
-    for dtype in ("float32", "bfloat16"):
-        case = random_fold_case(1, layers=2, batch=4, state_dtype=dtype, num_accepted=[0, 1, 4, 5],
-                                gate=gate)
-        state = case.state_in.copy()
-        fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu",
-             gate=gate)
-        same_bits(state, case.state_out, f"fold, {dtype} pool, {gate} gates")
-    # The smallest heads give blocks of fewer threads than records (K = V = 8: 2 threads in
-    # bf16), and K = V = 40 a tile of 8 rows: every record's decay must still be staged.
-    for key_dim, ring_len in ((8, 16), (40, 16)):
+    for seed, shape, counts, label in FOLD_CASES:
         for dtype in ("float32", "bfloat16"):
-            case = random_fold_case(2, layers=2, batch=4, key_dim=key_dim, value_dim=key_dim,
-                                    ring_len=ring_len, state_dtype=dtype, gate=gate,
-                                    num_accepted=[ring_len, ring_len - 1, 1, ring_len])
+            case = random_fold_case(seed, layers=2, batch=4, state_dtype=dtype, num_accepted=counts, gate=gate,
+                                    **shape)
             state = case.state_in.copy()
-            fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu",
-                 gate=gate)
-            same_bits(state, case.state_out, f"fold, K = V = {key_dim}, RING_LEN {ring_len}, {dtype} pool, "
-                      f"{gate} gates")
+            fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu", gate=gate)
+            same_bits(state, case.state_out, f"fold, {label}{dtype} pool, {gate} gates")
 
 
 def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:

@@ -33,6 +33,13 @@ than two units each, claims units from a counter until none are left: blocks tha
 faster than others (on a less busy SM, with shorter windows) take more units instead of
 waiting for them. Without the counter (two units or fewer each) a block runs the units
 a grid apart.
+
+With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
+value head and a record keeps them (record_layout.channel_decay_offset). They arrive
+beside the keys, are put in lane-major order with them, and each lane reads the decays
+of its own rows four at a time, so that state row i decays by the i-th, in the order
+of the latency kernel and the reference. Without it the kernel compiles to the code it
+had before it took the parameter (bench/profiling/same_ptx.sh).
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, grid_dim, thread_idx
@@ -55,7 +62,13 @@ from .bulk_copy import (
     wait_phase,
 )
 from .grid_dependency import load_hint, release_next_grid, wait_for_previous_grid
-from .record_layout import decay_offset, delta_offset, first_record_at, key_offset
+from .record_layout import (
+    channel_decay_offset,
+    decay_offset,
+    delta_offset,
+    first_record_at,
+    key_offset,
+)
 from .recurrence_math import REDUCTION_LANES
 from .window_gpu_staging import (
     BETA_AT,
@@ -68,6 +81,8 @@ from .window_gpu_staging import (
     SharedFloats,
     TOKEN_SCALARS,
     WINDOW_CHUNK,
+    copy_channel_records_async,
+    copy_channel_tokens_async,
     copy_records_async,
     copy_state_tile_async,
     copy_tokens_async,
@@ -171,7 +186,7 @@ def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
 
 @always_inline
 def tile_token[
-    ROWS: Int, //, K: Int
+    ROWS: Int, //, K: Int, CHANNEL: Bool = False
 ](
     mut held: Array[Columns, ROWS],
     mut pending_out: Columns,
@@ -182,12 +197,15 @@ def tile_token[
     c: Int,
     value_at: Int,
     lane: Int,
+    decay_rows: SharedFloats,
 ) -> Tuple[Float32, Float32]:
     """Staged token c on the held tile: decays the state, adds k u^T and leaves this
     thread's partial readout sums in `pending_out`. Returns the whole readout of the
     token before, whose sums (`pending_out` as it came in) finish here so that their
     shuffles overlap this token's arithmetic, and the delta u of this lane's column
-    (value_at: its value in `values`)."""
+    (value_at: its value in `values`). With per-channel gates row m * 8 + lane decays
+    by its own decay, read from the lane-major `decay_rows` as k is; without, every
+    row by the token's one decay and `decay_rows` is unused."""
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
     var token_scalars_c = scalars.unsafe_load[width=TOKEN_SCALARS, alignment=16](
         c * TOKEN_SCALARS
@@ -197,14 +215,21 @@ def tile_token[
     var inv_k = token_scalars_c[INVERSE_KEY_NORM_AT]
     var k_lane = lane_start[K](keys, c, lane)
     var q_lane = lane_start[K](queries, c, lane)
+    var d_lane = lane_start[K](decay_rows, c, lane)
     var previous_o = column_sum(pending_out, lane)
     # kv = S^T k on the decayed state.
     var partial = Columns(0.0)
     comptime for j in range(LANE_VECTORS):
         var k4 = lane_vector(k_lane, j)
-        comptime for e in range(min(4, ROWS - 4 * j)):
-            held[4 * j + e] = held[4 * j + e] * d
-            partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+        comptime if CHANNEL:
+            var d4 = lane_vector(d_lane, j)
+            comptime for e in range(min(4, ROWS - 4 * j)):
+                held[4 * j + e] = held[4 * j + e] * d4[e]
+                partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+        else:
+            comptime for e in range(min(4, ROWS - 4 * j)):
+                held[4 * j + e] = held[4 * j + e] * d
+                partial = fma(held[4 * j + e], Columns(k4[e]), partial)
     var kv = column_sum(partial, lane)
     var v = values[unsafe_offset=value_at]
     var error = fma(-kv, inv_k, v)
@@ -224,7 +249,7 @@ def tile_token[
 
 @always_inline
 def fold_staged_records[
-    ROWS: Int, //, K: Int, COLUMN_TILE: Int
+    ROWS: Int, //, K: Int, COLUMN_TILE: Int, CHANNEL: Bool = False
 ](
     mut held: Array[Columns, ROWS],
     record_keys: SharedFloats,
@@ -233,9 +258,13 @@ def fold_staged_records[
     count: Int,
     tile_column: Int,
     lane: Int,
+    record_decay_rows: SharedFloats,
 ):
     """Applies `count` staged records (keys in lane-major order) to the held tile, in
-    order, as the fold does: S = S * decay + k u^T."""
+    order, as the fold does: S = S * decay + k u^T. With per-channel gates row
+    m * 8 + lane decays by its own decay, read from the lane-major `record_decay_rows`
+    as the keys are (`record_decays` is unused); without, by the record's one decay in
+    `record_decays` (`record_decay_rows` is unused)."""
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
     for t in range(count):
         var d = record_decays[unsafe_offset=t]
@@ -243,15 +272,21 @@ def fold_staged_records[
             t * COLUMN_TILE + tile_column
         )
         var k_lane = lane_start[K](record_keys, t, lane)
+        var d_lane = lane_start[K](record_decay_rows, t, lane)
         comptime for j in range(LANE_VECTORS):
             var k4 = lane_vector(k_lane, j)
-            comptime for e in range(min(4, ROWS - 4 * j)):
-                held[4 * j + e] = fma(Columns(k4[e]), u, held[4 * j + e] * d)
+            comptime if CHANNEL:
+                var d4 = lane_vector(d_lane, j)
+                comptime for e in range(min(4, ROWS - 4 * j)):
+                    held[4 * j + e] = fma(Columns(k4[e]), u, held[4 * j + e] * d4[e])
+            else:
+                comptime for e in range(min(4, ROWS - 4 * j)):
+                    held[4 * j + e] = fma(Columns(k4[e]), u, held[4 * j + e] * d)
 
 
 @always_inline
 def write_chunk_records[
-    K: Int, V: Int, THREADS: Int
+    K: Int, V: Int, THREADS: Int, CHANNEL: Bool = False
 ](
     ring: Pointer[Float32, MutAnyOrigin],
     first: Int,
@@ -262,15 +297,29 @@ def write_chunk_records[
     group_size: Int,
     group_slot: Int,
     tid: Int,
+    token_decays: SharedFloats,
 ):
     """The records' raw keys (once per key head: the group's first value head writes
     them) and decays (once per value head) of a staged chunk of `count` tokens, the
-    first at `first` in the ring; the deltas leave through the outbox."""
+    first at `first` in the ring; the deltas leave through the outbox. With per-channel
+    gates the decays are each token's K, as they arrived (`token_decays`, rows
+    `natural_pitch` apart), 16 bytes a store; without, `token_decays` is unused."""
     comptime NATURAL = natural_pitch[K]()
-    if tid < count:
-        ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
-            group_size, group_slot
-        )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
+    comptime if CHANNEL:
+        comptime DECAY_VECTORS = K // COPY_FLOATS
+        for i in range(tid, count * DECAY_VECTORS, THREADS):
+            var c = quotient[DECAY_VECTORS](i)
+            var at = remainder[DECAY_VECTORS](i) * COPY_FLOATS
+            ring.unsafe_store[alignment=16](
+                first + c * record_stride + channel_decay_offset[K, V](group_size, group_slot)
+                + at,
+                token_decays.unsafe_load[width=COPY_FLOATS, alignment=16](c * NATURAL + at),
+            )
+    else:
+        if tid < count:
+            ring[unsafe_offset=first + tid * record_stride + decay_offset[K, V](
+                group_size, group_slot
+            )] = scalars[unsafe_offset=tid * TOKEN_SCALARS + DECAY_AT]
     if group_slot == 0:
         comptime KEY_VECTORS = K // COPY_FLOATS
         for i in range(tid, count * KEY_VECTORS, THREADS):
@@ -285,8 +334,64 @@ def write_chunk_records[
 
 
 @always_inline
+def channel_decays[K: Int](pairs: SharedFloats) -> SharedFloats:
+    """With per-channel gates, where the K decays of a chunk of tokens arrive: right
+    after the chunk's q and k pairs, rows `natural_pitch` apart."""
+    return pairs.unsafe_offset(WINDOW_CHUNK * 2 * natural_pitch[K]())
+
+
+@always_inline
+def record_channel_decays[K: Int](arrived_record_keys: SharedFloats) -> SharedFloats:
+    """With per-channel gates, where the K decays of a chunk of records arrive: right
+    after the records' keys, rows `natural_pitch` apart."""
+    return arrived_record_keys.unsafe_offset(WINDOW_CHUNK * natural_pitch[K]())
+
+
+@always_inline
+def lane_major_decays[K: Int](lane_major_keys: SharedFloats) -> SharedFloats:
+    """With per-channel gates, where a chunk's decays sit in lane-major order: right
+    after the chunk's lane-major keys (tokens' or records')."""
+    return lane_major_keys.unsafe_offset(WINDOW_CHUNK * lane_major_floats[K]())
+
+
+@always_inline
+def copy_unit_tokens[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int, CHANNEL: Bool
+](
+    pairs: SharedFloats,
+    values: SharedFloats,
+    scalars: SharedFloats,
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    first_token: Int,
+    count: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    column: Int,
+    tid: Int,
+):
+    """Starts the copies of `count` tokens (copy_tokens_async; per-channel, with their K
+    decays after the q and k pairs, channel_decays, copy_channel_tokens_async). A function of its own rather than
+    a branch inside the kernel's start_copies closure: there, even the branch compiled
+    out changed the head-gate kernels' PTX (two address computations swapped)."""
+    comptime if CHANNEL:
+        copy_channel_tokens_async[K, V, COLUMN_TILE, THREADS](
+            pairs, values, scalars, channel_decays[K](pairs), qkv, decay, beta, first_token, count,
+            num_key_heads, key_head, num_value_heads, value_head, column, tid,
+        )
+    else:
+        copy_tokens_async[K, V, COLUMN_TILE, THREADS](
+            pairs, values, scalars, qkv, decay, beta, first_token, count, num_key_heads,
+            key_head, num_value_heads, value_head, column, tid,
+        )
+
+
+@always_inline
 def stage_tokens[
-    K: Int, V: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
+    K: Int, V: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool = False
 ](
     pairs: SharedFloats,
     values: SharedFloats,
@@ -305,20 +410,24 @@ def stage_tokens[
     value_head: Int,
     tile_start: Int,
     tid: Int,
+    token_decays: SharedFloats,
+    decay_rows: SharedFloats,
 ):
     """Copies `count` tokens from token `first` into the block's buffers and, once every
-    thread's copies have landed, puts q and k in lane-major order with their norms
+    thread's copies have landed, puts q and k (per-channel, also the decays, from
+    `token_decays` into `decay_rows`) in lane-major order with their norms
     (stage_lane_major). The block's threads call it together."""
     comptime THREADS = window_block_threads[COLUMN_TILE]()
-    copy_tokens_async[K, V, COLUMN_TILE, THREADS](
+    copy_unit_tokens[K, V, COLUMN_TILE, THREADS, CHANNEL](
         pairs, values, scalars, qkv, decay, beta, first, count, num_key_heads, key_head,
         num_value_heads, value_head, tile_start, tid,
     )
     async_copy_commit_group()
     async_copy_wait_all()
     barrier()
-    stage_lane_major[K, THREADS, FOLD_PREVIOUS](
-        pairs, queries, keys, count, scalars, record_keys, record_keys, 0, tid
+    stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
+        pairs, queries, keys, count, scalars, record_keys, record_keys, 0, tid,
+        token_decays, decay_rows, record_keys, record_keys,
     )
 
 
@@ -330,7 +439,12 @@ def stage_tokens[
     ),
     `nvvm.minctasm`=SIMDLength(
         window_blocks_per_sm[
-            state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, window_block_threads[COLUMN_TILE]()
+            state_dtype,
+            K,
+            COLUMN_TILE,
+            FOLD_PREVIOUS,
+            window_block_threads[COLUMN_TILE](),
+            CHANNEL,
         ]()
     ),
 )
@@ -344,6 +458,7 @@ def windows_gpu_kernel[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     COLUMN_TILE: Int,
+    CHANNEL: Bool = False,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -374,8 +489,8 @@ def windows_gpu_kernel[
     comptime CHUNK = WINDOW_CHUNK
     comptime LANE_MAJOR = lane_major_floats[K]()
     comptime assert (
-        window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]() <= BLOCK_SHARED_LIMIT
-        and window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]()
+        window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL]() <= BLOCK_SHARED_LIMIT
+        and window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL]()
         + window_tile_bytes[state_dtype, K, COLUMN_TILE]() <= BLOCK_SHARED_MAX
     ), "the window kernel's shared memory exceeds an SM's: use a smaller COLUMN_TILE"
     var num_value_heads = Int(num_value_heads_i32)
@@ -445,15 +560,27 @@ def windows_gpu_kernel[
     comptime ARRIVED_RECORD_KEYS = CHUNK * NATURAL if FOLD_PREVIOUS else 0
     comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
     comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
+    # Per-channel gates (CHANNEL) add K decays per token and per record, each buffer
+    # of them right after the keys' buffer it goes with (channel_decays): a token's as
+    # they arrive after its chunk's q and k pairs, lane-major after the lane-major keys;
+    # a record's as they arrive after the arrived record keys (record_channel_decays),
+    # lane-major after the lane-major record keys (lane_major_decays). Each decay address is then a constant offset from a key
+    # address the kernel holds anyway: a register of its own for them made the verify
+    # spill. Without CHANNEL, MULTIPLE is 1 and the buffers are as they were.
+    comptime MULTIPLE = 2 if CHANNEL else 1
+    # Rows per token in a buffer of arriving tokens: q and k, and per-channel the decays.
+    comptime PAIR_ROWS = 3 if CHANNEL else 2
     # One buffer of record keys as they arrive: a unit's are put in lane-major order
     # before the next unit's are copied in (see start_copies).
-    var arrived_record_keys = shared_floats[ARRIVED_RECORD_KEYS + 4]()
-    var record_keys = shared_floats[(CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0) + 4]()
+    var arrived_record_keys = shared_floats[MULTIPLE * ARRIVED_RECORD_KEYS + 4]()
+    var record_keys = shared_floats[
+        (MULTIPLE * CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0) + 4
+    ]()
     var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
     var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
-    var token_pairs = shared_floats[2 * CHUNK * 2 * NATURAL]()
+    var token_pairs = shared_floats[2 * CHUNK * PAIR_ROWS * NATURAL]()
     var queries = shared_floats[CHUNK * LANE_MAJOR]()
-    var keys = shared_floats[CHUNK * LANE_MAJOR]()
+    var keys = shared_floats[MULTIPLE * CHUNK * LANE_MAJOR]()
     var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
     var token_scalars = shared_floats[2 * CHUNK * TOKEN_SCALARS]()
     # A chunk's readout rows and delta rows (token c's at rows 2c and 2c + 1) wait here
@@ -577,15 +704,26 @@ def windows_gpu_kernel[
     def start_record_copies(plan: RequestPlan, place: UnitPlace, buffer: Int) {imm}:
         comptime if FOLD_PREVIOUS:
             if plan.runs and plan.accepted > 0:
-                copy_records_async[K, V, COLUMN_TILE, THREADS](
-                    arrived_record_keys,
-                    record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
-                    record_decays.unsafe_offset(buffer * RECORD_DECAYS),
-                    ring,
-                    previous_records_at(plan, place),
-                    min(CHUNK, plan.accepted), record_stride, group_size,
-                    place.group_slot, place.tile_start, tid,
-                )
+                comptime if CHANNEL:
+                    copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
+                        arrived_record_keys,
+                        record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
+                        record_channel_decays[K](arrived_record_keys),
+                        ring,
+                        previous_records_at(plan, place),
+                        min(CHUNK, plan.accepted), record_stride, group_size,
+                        place.group_slot, place.tile_start, tid,
+                    )
+                else:
+                    copy_records_async[K, V, COLUMN_TILE, THREADS](
+                        arrived_record_keys,
+                        record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
+                        record_decays.unsafe_offset(buffer * RECORD_DECAYS),
+                        ring,
+                        previous_records_at(plan, place),
+                        min(CHUNK, plan.accepted), record_stride, group_size,
+                        place.group_slot, place.tile_start, tid,
+                    )
 
     # Whether a unit folds its records in more than one chunk: those chunks pass through
     # the keys' one buffer, so the next unit's records are copied after its fold.
@@ -606,8 +744,8 @@ def windows_gpu_kernel[
                 start_tile_copy(plan, place)
             if with_records:
                 start_record_copies(plan, place, buffer)
-            copy_tokens_async[K, V, COLUMN_TILE, THREADS](
-                token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL),
+            copy_unit_tokens[K, V, COLUMN_TILE, THREADS, CHANNEL](
+                token_pairs.unsafe_offset(buffer * CHUNK * PAIR_ROWS * NATURAL),
                 token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE),
                 token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS),
                 qkv, decay, beta, plan.start, min(CHUNK, plan.end - plan.start),
@@ -661,7 +799,7 @@ def windows_gpu_kernel[
         var after_next = UInt32(units)
         if tid == unit_claimer[THREADS]() and next < units:
             after_next = claim(next)
-        var pairs = token_pairs.unsafe_offset(buffer * CHUNK * 2 * NATURAL)
+        var pairs = token_pairs.unsafe_offset(buffer * CHUNK * PAIR_ROWS * NATURAL)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
         var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)
         var first_count = min(CHUNK, plan.end - plan.start)
@@ -681,9 +819,11 @@ def windows_gpu_kernel[
             comptime if FOLD_PREVIOUS:
                 first_records = min(CHUNK, plan.accepted)
             if first_count > 0 or first_records > 0:
-                stage_lane_major[K, THREADS, FOLD_PREVIOUS](
+                stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
                     pairs, queries, keys, first_count, scalars,
                     arrived_record_keys, record_keys, first_records, tid,
+                    channel_decays[K](pairs), lane_major_decays[K](keys),
+                    record_channel_decays[K](arrived_record_keys), lane_major_decays[K](record_keys),
                 )
             comptime for m in range(ROWS):
                 held[m] = state_tile.unsafe_load[
@@ -768,9 +908,10 @@ def windows_gpu_kernel[
                     )
             comptime if RECORD:
                 if records and tile == 0:
-                    write_chunk_records[K, V, THREADS](
+                    write_chunk_records[K, V, THREADS, CHANNEL](
                         ring, (record_row_base + chunk_start - plan.start) * record_stride,
                         record_stride, count, pairs, scalars, group_size, group_slot, tid,
+                        channel_decays[K](pairs),
                     )
 
         if plan.poisoned:
@@ -803,21 +944,30 @@ def windows_gpu_kernel[
                     var count = min(CHUNK, plan.accepted - chunk_start)
                     if chunk_start > 0:
                         barrier()  # done with the previous chunk of records
-                        copy_records_async[K, V, COLUMN_TILE, THREADS](
-                            arrived_keys, rdeltas, rdecays, ring,
-                            record_row + chunk_start * record_stride, count, record_stride,
-                            group_size, group_slot, tile_start, tid,
-                        )
+                        comptime if CHANNEL:
+                            copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
+                                arrived_keys, rdeltas, record_channel_decays[K](arrived_keys), ring,
+                                record_row + chunk_start * record_stride, count,
+                                record_stride, group_size, group_slot, tile_start, tid,
+                            )
+                        else:
+                            copy_records_async[K, V, COLUMN_TILE, THREADS](
+                                arrived_keys, rdeltas, rdecays, ring,
+                                record_row + chunk_start * record_stride, count,
+                                record_stride, group_size, group_slot, tile_start, tid,
+                            )
                         async_copy_commit_group()
                         async_copy_wait_all()
                         barrier()
-                        stage_lane_major[K, THREADS, FOLD_PREVIOUS](
+                        stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
                             pairs, queries, keys, 0, scalars, arrived_keys, record_keys,
-                            count, tid,
+                            count, tid, channel_decays[K](pairs), lane_major_decays[K](keys),
+                            record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
                         )
                         barrier()
-                    fold_staged_records[K, COLUMN_TILE](
-                        held, record_keys, rdeltas, rdecays, count, tile_column, lane
+                    fold_staged_records[K, COLUMN_TILE, CHANNEL](
+                        held, record_keys, rdeltas, rdecays, count, tile_column, lane,
+                        lane_major_decays[K](record_keys),
                     )
                 if folds_in_chunks(plan) and next < units:
                     # The last chunk's keys are in lane-major order: the keys' buffer is
@@ -864,19 +1014,20 @@ def windows_gpu_kernel[
             var count = min(CHUNK, plan.end - chunk_start)
             if chunk_start > plan.start:
                 barrier()  # done with the previous chunk of tokens and its norms
-                stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS](
+                stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
                     pairs, values, scalars, queries, keys, record_keys, qkv, decay, beta,
                     chunk_start, count, num_key_heads, key_head, num_value_heads,
-                    value_head, tile_start, tid,
+                    value_head, tile_start, tid, channel_decays[K](pairs),
+                    lane_major_decays[K](keys),
                 )
                 barrier()
             # The readout sums of token c are finished while token c + 1 computes: their
             # shuffles then overlap its arithmetic instead of stalling the warp.
             var pending_out = Columns(0.0)
             for c in range(count):
-                var readout_and_delta = tile_token[K](
+                var readout_and_delta = tile_token[K, CHANNEL](
                     held, pending_out, scalars, keys, queries, values, c,
-                    c * COLUMN_TILE + tile_column + slot, lane,
+                    c * COLUMN_TILE + tile_column + slot, lane, lane_major_decays[K](keys),
                 )
                 var previous_o = readout_and_delta[0]
                 var u = readout_and_delta[1]

@@ -27,7 +27,8 @@ same bits, and the op picks between them at run time (window_launch.mojo).
 With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
 value head and a record holds them (record_layout.channel_decay_offset); they are
 staged like the keys and read by the same lanes, so that state row i decays by the
-i-th. Per-channel gates run on this kernel alone.
+i-th. The throughput kernel takes them too (window_gpu.mojo), in the same order of
+arithmetic.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx

@@ -30,7 +30,7 @@ from .bulk_copy import (
     tensor_box_to_shared,
 )
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
-from .record_layout import decay_offset, delta_offset, key_offset
+from .record_layout import channel_decay_offset, decay_offset, delta_offset, key_offset
 
 # Records, and tokens, staged at a time. A longer fold or window stages the rest
 # chunk by chunk without overlap; verify windows are rarely longer.
@@ -95,7 +95,9 @@ def natural_pitch[K: Int]() -> Int:
     return K + 2 * COPY_FLOATS
 
 
-def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
+def window_static_bytes[
+    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool = False
+]() -> Int:
     """Static shared memory of one block of the window kernel: tokens, records, ids."""
     comptime LANE_MAJOR = lane_major_floats[K]()
     comptime NATURAL = natural_pitch[K]()
@@ -105,6 +107,14 @@ def window_static_bytes[K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool]() -> Int:
         # keys lane-major once.
         floats += WINDOW_CHUNK * NATURAL + 2 * WINDOW_CHUNK * (COLUMN_TILE + 1)
         floats += WINDOW_CHUNK * LANE_MAJOR
+    if CHANNEL:
+        # Per-channel gates: a token's K decays, as they arrive (two buffers, as the
+        # tokens) and lane-major once; with a fold on load also the records' K decays,
+        # as the records' keys (one buffer as they arrive, one lane-major). The two
+        # buffers of one decay per record stay, unused.
+        floats += 2 * WINDOW_CHUNK * NATURAL + WINDOW_CHUNK * LANE_MAJOR
+        if FOLD_PREVIOUS:
+            floats += WINDOW_CHUNK * NATURAL + WINDOW_CHUNK * LANE_MAJOR
     if not outbox_in_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS]():
         floats += OUTBOX_ROWS_PER_TOKEN * WINDOW_CHUNK * COLUMN_TILE
     # Two buffers of tokens as they arrive (q and k, the tile's values, the scalars),
@@ -172,11 +182,16 @@ def whole_warps[THREADS: Int]() -> Bool:
 
 
 def window_blocks_per_sm[
-    state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, THREADS: Int
+    state_dtype: DType,
+    K: Int,
+    COLUMN_TILE: Int,
+    FOLD_PREVIOUS: Bool,
+    THREADS: Int,
+    CHANNEL: Bool = False,
 ]() -> Int:
     """Blocks an H100/H200 SM holds at once, as its shared memory and THREAD_REGISTERS
     registers per thread allow."""
-    var bytes = window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS]() + window_tile_bytes[
+    var bytes = window_static_bytes[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL]() + window_tile_bytes[
         state_dtype, K, COLUMN_TILE
     ]()
     var by_shared = SM_SHARED_BYTES // (bytes + BLOCK_SHARED_RESERVED)
@@ -528,6 +543,92 @@ def copy_tokens_async[
     )
 
 
+# Per-channel gates (Kimi Delta Attention): a token brings K decays per value head and a
+# record keeps them (record_layout.channel_decay_offset). They are copied as rows of K
+# floats, `natural_pitch` apart as the keys are, and put in lane-major order beside the
+# keys (stage_lane_major), so that each lane reads the decays of its own key rows four
+# at a time. Separate functions, not a parameter of the two above: an argument added to
+# those out-of-line functions would change the head-gate kernels' code.
+
+
+@no_inline
+def copy_channel_records_async[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    keys: SharedFloats,
+    deltas: SharedFloats,
+    decays: SharedFloats,
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    first_record: Int,
+    count: Int,
+    record_stride: Int,
+    group_size: Int,
+    group_slot: Int,
+    column: Int,
+    tid: Int,
+):
+    """As copy_records_async, with per-channel gates: the raw keys, this tile's delta
+    columns, and this head's K decays of each record (rows `natural_pitch` apart)."""
+    comptime NATURAL = natural_pitch[K]()
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, NATURAL](
+        keys, ring, first_record + key_offset(), record_stride, count, tid
+    )
+    copy_rows_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
+        deltas, ring, first_record + delta_offset[K, V](group_slot) + column,
+        record_stride, count, tid,
+    )
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, NATURAL](
+        decays, ring, first_record + channel_decay_offset[K, V](group_size, group_slot),
+        record_stride, count, tid,
+    )
+
+
+@no_inline
+def copy_channel_tokens_async[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int
+](
+    pairs: SharedFloats,
+    values: SharedFloats,
+    scalars: SharedFloats,
+    decays: SharedFloats,
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    first_token: Int,
+    count: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    column: Int,
+    tid: Int,
+):
+    """As copy_tokens_async, with per-channel gates: q and k, this tile's value columns,
+    this head's beta into the token's scalars and its K decays (a `[T, nv, K]` decay)
+    into `decays`, rows `natural_pitch` apart."""
+    comptime NATURAL = natural_pitch[K]()
+    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+    var token = first_token * qkv_width
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, 2 * NATURAL](
+        pairs, qkv, token + key_head * K, qkv_width, count, tid
+    )
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, 2 * NATURAL](
+        pairs.unsafe_offset(NATURAL), qkv, token + (num_key_heads + key_head) * K, qkv_width,
+        count, tid,
+    )
+    copy_rows_async[COLUMN_TILE, WINDOW_CHUNK, THREADS](
+        values, qkv, token + 2 * num_key_heads * K + value_head * V + column,
+        qkv_width, count, tid,
+    )
+    var at = first_token * num_value_heads + value_head
+    copy_rows_async[K, WINDOW_CHUNK, THREADS, NATURAL](
+        decays, decay, at * K, num_value_heads * K, count, tid
+    )
+    copy_scalars_async(
+        scalars.unsafe_offset(BETA_AT), beta, at, num_value_heads, count, tid, TOKEN_SCALARS
+    )
+
+
 @always_inline
 def lane_sum(value: Float32) -> Float32:
     """Adds the value over the 8 lanes of a group: (p, p^4), then (p, p^2), then (p, p^1).
@@ -542,7 +643,7 @@ def lane_sum(value: Float32) -> Float32:
 
 @always_inline
 def stage_lane_major[
-    K: Int, THREADS: Int, FOLD_PREVIOUS: Bool
+    K: Int, THREADS: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool = False
 ](
     pairs: SharedFloats,
     queries: SharedFloats,
@@ -553,6 +654,10 @@ def stage_lane_major[
     record_keys: SharedFloats,
     record_count: Int,
     tid: Int,
+    token_decays: SharedFloats,
+    decay_rows: SharedFloats,
+    arrived_record_decays: SharedFloats,
+    record_decay_rows: SharedFloats,
 ):
     """Puts the staged tokens' q and k, and the records' keys, in lane-major order for
     the token loop and the fold, and computes the tokens' norms, once per block.
@@ -565,6 +670,11 @@ def stage_lane_major[
     warps when `count` is 0; otherwise every thread of a warp that holds a token unit
     runs the shuffles, and only tokens below `count` and records below `record_count`
     are written.
+
+    With per-channel gates (`CHANNEL`) the tokens' K decays (`token_decays`, as they
+    arrive) go to `decay_rows` and the records' (`arrived_record_decays`) to
+    `record_decay_rows`, in the keys' lane-major order: units of their own after the
+    token units, which run no shuffles. The last four arguments are unused without it.
     """
     comptime ROWS = K // REDUCTION_LANES
     comptime VECTORS = ceildiv(ROWS, COPY_FLOATS)
@@ -572,7 +682,11 @@ def stage_lane_major[
     comptime LANE_PITCH = permuted_pitch[K]()
     comptime TOKEN_UNITS = WINDOW_CHUNK * 2 * REDUCTION_LANES
     comptime RECORD_UNITS = WINDOW_CHUNK * REDUCTION_LANES if FOLD_PREVIOUS else 0
-    comptime UNITS = TOKEN_UNITS + RECORD_UNITS
+    # Per-channel gates: a unit per lane of each token's decays, then of each record's
+    # keys and decays (CHANNEL_UNITS replaces RECORD_UNITS).
+    comptime DECAY_UNITS = WINDOW_CHUNK * REDUCTION_LANES
+    comptime CHANNEL_UNITS = DECAY_UNITS * (3 if FOLD_PREVIOUS else 1)
+    comptime UNITS = TOKEN_UNITS + (CHANNEL_UNITS if CHANNEL else RECORD_UNITS)
     comptime assert TOKEN_UNITS % WARP_THREADS == 0, "a warp holds token units or none"
     # A pass of the block then starts on a warp boundary, so each warp's units are of
     # one kind and its shuffles run on every lane.
@@ -620,12 +734,33 @@ def stage_lane_major[
                         x[j] = x[j] * q_scale
                     place(queries.unsafe_offset(at), x)
         elif not token_warp and unit < UNITS:
-            var record_unit = unit - TOKEN_UNITS
-            var lane = remainder[REDUCTION_LANES](record_unit)
-            var record = quotient[REDUCTION_LANES](record_unit)
-            if record < record_count:
-                var x = gather(arrived_record_keys.unsafe_offset(record * NATURAL), lane)
-                place(record_keys.unsafe_offset((record * REDUCTION_LANES + lane) * LANE_PITCH), x)
+            comptime if CHANNEL:
+                # Which vectors (0: tokens' decays, 1: records' keys, 2: records'
+                # decays), which entry of the chunk, which lane.
+                var channel_unit = unit - TOKEN_UNITS
+                var kind = quotient[DECAY_UNITS](channel_unit)
+                var lane = remainder[REDUCTION_LANES](channel_unit)
+                var entry = quotient[REDUCTION_LANES](remainder[DECAY_UNITS](channel_unit))
+                var at = (entry * REDUCTION_LANES + lane) * LANE_PITCH
+                if kind == 0:
+                    if entry < count:
+                        place(
+                            decay_rows.unsafe_offset(at),
+                            gather(token_decays.unsafe_offset(entry * NATURAL), lane),
+                        )
+                elif entry < record_count:
+                    var source = arrived_record_keys if kind == 1 else arrived_record_decays
+                    var target = record_keys if kind == 1 else record_decay_rows
+                    place(
+                        target.unsafe_offset(at), gather(source.unsafe_offset(entry * NATURAL), lane)
+                    )
+            else:
+                var record_unit = unit - TOKEN_UNITS
+                var lane = remainder[REDUCTION_LANES](record_unit)
+                var record = quotient[REDUCTION_LANES](record_unit)
+                if record < record_count:
+                    var x = gather(arrived_record_keys.unsafe_offset(record * NATURAL), lane)
+                    place(record_keys.unsafe_offset((record * REDUCTION_LANES + lane) * LANE_PITCH), x)
 
 
 # A state tile whose rows are whole 128-byte swizzle rows arrives as tensor boxes

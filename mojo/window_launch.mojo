@@ -70,6 +70,16 @@ def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
+def channel_uses_latency_kernel[GPU_PATH: Int]() -> Bool:
+    """The kernel of a launch with per-channel gates. "auto" runs them on the latency
+    kernel, as before the throughput kernel took them: neither has been timed with
+    per-channel gates on a GPU yet, and the choice will be set from a measured table
+    (by batch, as LATENCY_WARPS_PER_SM is for head gates) once they have."""
+    comptime if GPU_PATH == GPU_PATH_THROUGHPUT:
+        return False
+    return True
+
+
 # Launches small enough to start as programmatic dependents of the kernel before them
 # (dependent_launch). On an H200 under replay (bench/results/paths-small-batch-h200-
 # 2026-12-02.txt, pdl-h200-2026-12-02.txt), the throughput kernel's fused step took
@@ -272,8 +282,8 @@ def run_windows[
 ](operands: WindowOperands[state_dtype], ctx: DeviceContext) raises:
     """Checks every operand, then runs each request's window (see window_cpu/gpu).
 
-    `CHANNEL` (a decay of [T, nv, K]) runs on the GPU's latency kernel whatever GPU_PATH
-    says: the throughput kernel has no per-channel decays."""
+    `CHANNEL` (a decay of [T, nv, K]) runs on either GPU kernel; GPU_PATH_AUTO picks
+    the latency kernel for it (channel_uses_latency_kernel)."""
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
     # time, and its blocks (two threads per column) are whole warps or one warp at most.
@@ -315,14 +325,14 @@ def run_windows[
             operands, num_value_heads, num_key_heads, record_stride
         )
     elif target == "gpu":
-        comptime assert not (CHANNEL and GPU_PATH == GPU_PATH_THROUGHPUT), (
-            "per-channel gates run on the latency kernel only"
-        )
         # The SMs, read once: they size the grid and pick the kernel and the launch.
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        if CHANNEL or uses_latency_kernel[GPU_PATH](latency_units, sms):
+        var latency = uses_latency_kernel[GPU_PATH](latency_units, sms)
+        comptime if CHANNEL:
+            latency = channel_uses_latency_kernel[GPU_PATH]()
+        if latency:
             # One warp a unit: a request on one slab of a value head.
             comptime warp_kernel = windows_gpu_latency_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
@@ -340,67 +350,73 @@ def run_windows[
                 attributes=dependent_launch(dependent),
             )
             return
-        comptime kernel = windows_gpu_kernel[
-            state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE
-        ]
-        comptime THREADS = window_block_threads[COLUMN_TILE]()
-        comptime TILE_BYTES = window_tile_bytes[state_dtype, K, COLUMN_TILE]()
-        # Units of work: one request on one column block (a column tile of one head).
-        var units = batch * num_value_heads * (V // COLUMN_TILE)
-        var blocks = ceildiv(units, REQUESTS_PER_BLOCK) if REQUESTS_PER_BLOCK > 0 else units
-        comptime if REQUESTS_PER_BLOCK == 0:
-            # As many blocks as the GPU holds at once: one unit's copies then overlap
-            # another's arithmetic.
-            blocks = min(
-                units,
-                sms * window_blocks_per_sm[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS](),
-            )
-        # Blocks that run more than two units each claim them from a counter, zeroed for
-        # the launch, so that the blocks that run faster take more and all end together
-        # (2.0 us off a fused layer at batch 64 on an H200, 4.2 at 256). At two units or
-        # fewer per block there is little to even out, and allocating and zeroing the
-        # counter alone costs 1.5 us at batch 1 (docs/tuning-log.md):
-        # the units are then shared out evenly, each block running those a grid apart.
-        var per_block = ceildiv(units, blocks)
-        var claims = per_block > 2
-        if not claims:
-            blocks = ceildiv(units, per_block)
-        var counter = Optional[DeviceBuffer[DType.uint32]]()
-        var counter_at = Int(operands.readout)  # never read when the blocks do not claim
-        if claims:
-            counter = ctx.enqueue_create_buffer[DType.uint32](1)
-            ctx.enqueue_memset(counter.value(), UInt32(0))
-            counter_at = Int(counter.value().unsafe_ptr())
-        var unit_counter = Pointer[UInt32, MutAnyOrigin](unsafe_from_address=counter_at)
-        # The pool as [rows * heads * K, V], for tiles that move as tensor boxes.
-        var state_map = TMADescriptor()
-        comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
-            var head_rows = num_rows * num_value_heads * K
-            if head_rows > 0:
-                state_map = create_tma_descriptor[
-                    state_dtype, 2, TensorMapSwizzle.SWIZZLE_128B
-                ](
-                    DeviceBuffer[state_dtype](ctx, operands.state, head_rows * V, owning=False),
-                    IndexList[2](head_rows, V),
-                    IndexList[2](V, 1),
-                    IndexList[2](K, box_columns[state_dtype]()),
+        # Per-channel gates reach the throughput kernel only when forced: otherwise it is
+        # not compiled for them (at K = 256 its fold on load would not fit an SM's static
+        # shared memory, and the op would not build even where it never runs).
+        comptime if not CHANNEL or GPU_PATH == GPU_PATH_THROUGHPUT:
+            comptime kernel = windows_gpu_kernel[
+                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE, CHANNEL
+            ]
+            comptime THREADS = window_block_threads[COLUMN_TILE]()
+            comptime TILE_BYTES = window_tile_bytes[state_dtype, K, COLUMN_TILE]()
+            # Units of work: one request on one column block (a column tile of one head).
+            var units = batch * num_value_heads * (V // COLUMN_TILE)
+            var blocks = ceildiv(units, REQUESTS_PER_BLOCK) if REQUESTS_PER_BLOCK > 0 else units
+            comptime if REQUESTS_PER_BLOCK == 0:
+                # As many blocks as the GPU holds at once: one unit's copies then overlap
+                # another's arithmetic.
+                blocks = min(
+                    units,
+                    sms * window_blocks_per_sm[
+                        state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, THREADS, CHANNEL
+                    ](),
                 )
-        # A launch of at most one block per SM may start while the kernel before it ends
-        # (with claims the counter's zeroing would come between them anyway).
-        var dependent = not claims and blocks <= sms * DEPENDENT_BLOCKS_PER_SM
-        ctx.enqueue_function[kernel](
-            operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
-            operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
-            operands.previous_ring_row_ids, operands.previous_accepted, unit_counter, state_map,
-            Int32(1 if claims else 0), Int32(batch), Int32(num_tokens), Int32(num_rows),
-            Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
-            Int32(record_stride), Int32(1 if dependent else 0),
-            grid_dim=blocks,
-            block_dim=THREADS,
-            shared_mem_bytes=TILE_BYTES,
-            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(TILE_BYTES)),
-            attributes=dependent_launch(dependent),
-        )
-        _ = counter^  # freed in stream order, after the kernel
+            # Blocks that run more than two units each claim them from a counter, zeroed for
+            # the launch, so that the blocks that run faster take more and all end together
+            # (2.0 us off a fused layer at batch 64 on an H200, 4.2 at 256). At two units or
+            # fewer per block there is little to even out, and allocating and zeroing the
+            # counter alone costs 1.5 us at batch 1 (docs/tuning-log.md):
+            # the units are then shared out evenly, each block running those a grid apart.
+            var per_block = ceildiv(units, blocks)
+            var claims = per_block > 2
+            if not claims:
+                blocks = ceildiv(units, per_block)
+            var counter = Optional[DeviceBuffer[DType.uint32]]()
+            var counter_at = Int(operands.readout)  # never read when the blocks do not claim
+            if claims:
+                counter = ctx.enqueue_create_buffer[DType.uint32](1)
+                ctx.enqueue_memset(counter.value(), UInt32(0))
+                counter_at = Int(counter.value().unsafe_ptr())
+            var unit_counter = Pointer[UInt32, MutAnyOrigin](unsafe_from_address=counter_at)
+            # The pool as [rows * heads * K, V], for tiles that move as tensor boxes.
+            var state_map = TMADescriptor()
+            comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+                var head_rows = num_rows * num_value_heads * K
+                if head_rows > 0:
+                    state_map = create_tma_descriptor[
+                        state_dtype, 2, TensorMapSwizzle.SWIZZLE_128B
+                    ](
+                        DeviceBuffer[state_dtype](ctx, operands.state, head_rows * V, owning=False),
+                        IndexList[2](head_rows, V),
+                        IndexList[2](V, 1),
+                        IndexList[2](K, box_columns[state_dtype]()),
+                    )
+            # A launch of at most one block per SM may start while the kernel before it ends
+            # (with claims the counter's zeroing would come between them anyway).
+            var dependent = not claims and blocks <= sms * DEPENDENT_BLOCKS_PER_SM
+            ctx.enqueue_function[kernel](
+                operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
+                operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
+                operands.previous_ring_row_ids, operands.previous_accepted, unit_counter, state_map,
+                Int32(1 if claims else 0), Int32(batch), Int32(num_tokens), Int32(num_rows),
+                Int32(num_ring_rows), Int32(num_value_heads), Int32(num_key_heads),
+                Int32(record_stride), Int32(1 if dependent else 0),
+                grid_dim=blocks,
+                block_dim=THREADS,
+                shared_mem_bytes=TILE_BYTES,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(TILE_BYTES)),
+                attributes=dependent_launch(dependent),
+            )
+            _ = counter^  # freed in stream order, after the kernel
     else:
         raise Error(t"unsupported target {target}")

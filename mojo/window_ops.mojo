@@ -13,15 +13,15 @@ back, and then runs the window: a decoding step touches each state element once.
 The forward runs the same kernels as the verify with recording off, so a forward over the
 accepted tokens and a verify followed by the fold agree bit for bit. The per-channel ops
 take a decay of shape [T, nv, K], state row i decaying by the i-th; their records hold the
-K decays of each value head of the group. On the GPU they run the latency kernel
-(window_gpu_latency.mojo) at every batch.
+K decays of each value head of the group. They take the head-gate ops' GPU parameters;
+"auto" runs them on the latency kernel (window_launch.channel_uses_latency_kernel).
 """
 
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
 
-from .window_launch import GPU_PATH_LATENCY, run_windows
+from .window_launch import run_windows
 from .window_operands import WindowOperands
 
 
@@ -116,19 +116,15 @@ struct Recurrence:
         ](operands, ctx)
 
 
-# The throughput kernel's tiling, which run_windows checks at compile time; per-channel
-# gates never run that kernel.
-comptime UNUSED_COLUMN_TILE = 8
-comptime UNUSED_REQUESTS_PER_BLOCK = 0
-
-
 @extensibility.register("gdfold_verify_ring_channel")
 struct VerifyRingChannel:
     """Readout and per-channel ring records of each request's verify window."""
 
     @staticmethod
     def execute[
-        target: StaticString, K: Int, V: Int, RING_LEN: Int
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
+        REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -145,8 +141,7 @@ struct VerifyRingChannel:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids)
         run_windows[
-            target, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_LATENCY, True, False, True,
+            target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, False, True,
         ](operands, ctx)
 
 
@@ -156,7 +151,9 @@ struct VerifyRingFoldOnLoadChannel:
 
     @staticmethod
     def execute[
-        target: StaticString, K: Int, V: Int, RING_LEN: Int
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
+        REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -177,8 +174,7 @@ struct VerifyRingFoldOnLoadChannel:
             previous_ring_row_ids, previous_num_accepted
         )
         run_windows[
-            target, K, V, RING_LEN, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_LATENCY, True, True, True,
+            target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True, True,
         ](operands, ctx)
 
 
@@ -188,7 +184,8 @@ struct RecurrenceChannel:
 
     @staticmethod
     def execute[
-        target: StaticString, K: Int, V: Int
+        target: StaticString, K: Int, V: Int, COLUMN_TILE: Int, REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
     ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -203,6 +200,5 @@ struct RecurrenceChannel:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         )
         run_windows[
-            target, K, V, 1, UNUSED_COLUMN_TILE, UNUSED_REQUESTS_PER_BLOCK,
-            GPU_PATH_LATENCY, False, False, True,
+            target, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, False, False, True,
         ](operands, ctx)

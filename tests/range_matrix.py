@@ -32,6 +32,8 @@ from gdfold_max import kernels_path, recurrence, reference, state_fold, verify_r
 from gdfold_max.cases import FoldCase, WindowCase, random_fold_case, random_window_case, spec_decode_case
 from gdfold_max.eager.base import copy_back, host_buffer
 from gdfold_max.layout import Gate
+from gdfold_max.ops.shared_memory import check_column_tile_fits
+from gdfold_max.ops.window import default_column_tile
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,20 @@ DEVICES = [CPU_TARGET, pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark
 
 
 def on_path(point: Point, device: str, path: str) -> bool:
-    """Per-channel gates run on the GPU's latency kernel only (the throughput kernel refuses
-    them)."""
-    return device == "cpu" or point.gate == "head" or path == "latency"
+    """Whether a point runs on a path: every point on the CPU and on the GPU's latency
+    kernel; on its throughput kernel every one whose block fits an SM (per-channel gates
+    stage K decays per token and per record, which at K = 256 with a fold on load pass
+    the 48 KiB of static shared memory)."""
+    if device == "cpu" or path != "throughput" or point.gate == "head":
+        return True
+    # A point runs every op, the fold on load the largest.
+    tile = default_column_tile(point.value_dim)
+    try:
+        check_column_tile_fits(max_dtype(np.zeros(0, point.state_dtype)), point.key_dim, tile, fold_on_load=True,
+                               channel=True)
+    except ValueError:
+        return False
+    return True
 
 
 @cache

@@ -1,8 +1,8 @@
 """The verify, the verify with fold on load and the forward with per-channel gates
-(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and the GPU (whose latency
-kernel runs them), bit for bit against the numpy reference and against each other;
-bad input refused before anything is written; the GPU's throughput kernel, which has no
-per-channel decays, refused when a graph forces it."""
+(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and on both GPU kernels (the
+latency kernel, which "auto" runs, and the throughput kernel), bit for bit against the
+numpy reference and against each other; bad input refused before anything is written; a
+throughput tile whose per-channel staging no SM holds refused when the graph is built."""
 
 from __future__ import annotations
 
@@ -17,19 +17,31 @@ from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.eager.window import WindowRunner
 from gdfold_max.layout import RecordLayout
 from gdfold_max.ops.kernels import kernels_path
+from gdfold_max.ops.window import GPU_PATHS, gpu_tiling
 
-#: Where the per-channel ops run: the CPU, and the GPU ("auto" runs the latency kernel).
-CHANNEL_TARGETS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+#: Where the per-channel ops run, as (device, gpu_path): the CPU, the GPU's "auto" (the
+#: latency kernel) and its throughput kernel.
+CHANNEL_TARGETS = [
+    pytest.param(("cpu", "auto"), id="cpu"),
+    pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu),
+    pytest.param(("gpu", "throughput"), id="gpu-throughput", marks=pytest.mark.gpu),
+]
 
 
 @pytest.fixture(scope="module", params=CHANNEL_TARGETS)
-def device(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def target(request: pytest.FixtureRequest) -> tuple[str, str]:
+    device, path = request.param
+    return str(device), str(path)
 
 
 @pytest.fixture(scope="module")
-def runner(device: str) -> WindowRunner:
-    return runner_for(device)
+def device(target: tuple[str, str]) -> str:
+    return target[0]
+
+
+@pytest.fixture(scope="module")
+def runner(target: tuple[str, str]) -> WindowRunner:
+    return runner_for(target[0], target[1])
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +169,17 @@ def test_bad_input_is_refused_before_anything_is_written(runner: WindowRunner) -
               ring_stride=head_stride)
 
 
-def test_a_graph_forcing_the_throughput_kernel_is_refused_when_built() -> None:
+def test_the_throughput_kernel_takes_per_channel_gates() -> None:
+    # Its tiling goes to the per-channel ops as to the head-gate ones; "auto" (0) leaves
+    # the choice to the launch, which keeps per-channel gates on the latency kernel.
+    tiling = gpu_tiling(DType.float32, 128, 128, None, None, fold_on_load=True, gpu_path="throughput",
+                        channel=True)
+    assert tiling["GPU_PATH"] == GPU_PATHS["throughput"] and tiling["COLUMN_TILE"] == 64
+
+
+def test_a_throughput_tile_no_sm_holds_with_per_channel_gates_is_refused_when_built() -> None:
     gpu = DeviceRef.GPU()
-    k = v = 64
+    k = v = 256
     layout = RecordLayout(k, v, 2, "channel")
     with Graph("channel_on_gpu", input_types=[
             TensorType(DType.float32, ["T", 2 * 1 * k + 2 * v], gpu),
@@ -169,8 +189,14 @@ def test_a_graph_forcing_the_throughput_kernel_is_refused_when_built() -> None:
             BufferType(DType.float32, [8, 1, 4, layout.min_stride], gpu),
             TensorType(DType.uint32, ["B"], gpu),
             TensorType(DType.uint32, ["B"], gpu),
-            TensorType(DType.uint32, ["B1"], gpu)], custom_extensions=[kernels_path()]) as graph:
-        qkv, decay, beta, pool, ring, rows, ring_rows, offsets = graph.inputs
-        with pytest.raises(ValueError, match=r"gpu_path: 'throughput' has no per-channel gates"):
+            TensorType(DType.uint32, ["B1"], gpu),
+            TensorType(DType.uint32, ["B"], gpu),
+            TensorType(DType.uint32, ["B"], gpu)], custom_extensions=[kernels_path()]) as graph:
+        qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous_rows, accepted = graph.inputs
+        # K = 256 with a fold on load: its tokens' and records' K decays take the static
+        # shared memory past 48 KiB at any tile.
+        with pytest.raises(ValueError, match=r"column_tile: 64 columns of a K=256 float32 state with per-channel"
+                                             r" gates need 61224 bytes of static shared memory"):
             verify_ring(qkv.tensor, decay.tensor, beta.tensor, pool.buffer, ring.buffer, rows.tensor,
-                        ring_rows.tensor, offsets.tensor, gpu_path="throughput")
+                        ring_rows.tensor, offsets.tensor, previous_ring_row_ids=previous_rows.tensor,
+                        previous_num_accepted=accepted.tensor, gpu_path="throughput")

@@ -1,8 +1,8 @@
 """Prints the sm_90a PTX of every GPU kernel family at Qwen3-Next's shapes (K = V = 128,
 RING_LEN 4), each after a `// kernel:` line: the fold (head and per-channel gates), the
 latency kernel (verify, verify with fold on load and forward; head and per-channel gates;
-four columns a thread, and two), and the throughput kernel (each op), in fp32 and bf16
-pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+four columns a thread, and two), and the throughput kernel (each op; head and
+per-channel gates), in fp32 and bf16 pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
@@ -35,10 +35,14 @@ def latency[dtype: DType, record: Bool, fold_previous: Bool, cv: Int, channel: B
     ]().asm)
 
 
-def throughput[dtype: DType, record: Bool, fold_previous: Bool, tile: Int]():
-    print("// kernel: throughput,", dtype, op_name(record, fold_previous), "tile", tile)
+def throughput[dtype: DType, record: Bool, fold_previous: Bool, tile: Int, channel: Bool = False]():
+    # Head-gate labels end as they did before the kernel took per-channel gates, so that
+    # same_ptx.sh pairs them with earlier revisions'; per-channel ones end in "channel".
+    print("// kernel: throughput,", dtype, op_name(record, fold_previous), "tile", tile,
+          end=", channel\n" if channel else "\n")
     print(_compile_code[
-        windows_gpu_kernel[dtype, 128, 128, 4, record, fold_previous, tile], target=get_gpu_target["sm_90a"]()
+        windows_gpu_kernel[dtype, 128, 128, 4, record, fold_previous, tile, channel],
+        target=get_gpu_target["sm_90a"](),
     ]().asm)
 
 
@@ -56,3 +60,11 @@ def main():
             latency[dtype, record, fold_previous, 4, False]()
             latency[dtype, record, fold_previous, 4, True]()
             latency[dtype, record, fold_previous, 2, False]()
+    # The throughput kernel with per-channel gates, after every kernel above: each
+    # instantiation that stages dynamic shared memory numbers its `extern_ptr_syml`
+    # symbol in the order compiled, so that kernels placed among the others would
+    # renumber theirs.
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime for op in range(3):
+            throughput[dtype, op < 2, op == 0, 64, True]()

@@ -7,12 +7,15 @@
 # Each side compiles its own kernels_ptx.mojo against its own mojo/ (REV's from
 # `git archive`), so a change of a kernel's parameters still compiles on both sides.
 # Kernels are paired by their `// kernel:` label. The symbol hashes Mojo puts in kernel
-# names are masked; every other line must match. A kernel whose PTX differs passes as "same
-# SASS" if ptxas (on PATH, or $PTXAS) makes the same machine code of both sides (the cubins'
-# .text sections): PTX that differs only in the names of its virtual registers runs as
-# before. Prints one line per kernel: "same PTX", "same SASS", "N lines differ", "removed"
-# (at REV only) or "added" (in the checkout only); exits non-zero if any kernel present on
-# both sides differs in its machine code (or in its PTX, without ptxas).
+# names are masked, and so is the number of a kernel's `extern_ptr_syml` (the name of its
+# dynamic shared memory): Mojo numbers those across the whole program, so adding a
+# kernel to kernels_ptx.mojo renumbers the others' without changing their code. Every
+# other line must match. A kernel whose PTX differs passes as "same SASS" if ptxas (on
+# PATH, or $PTXAS) makes the same machine code of both sides (the cubins' .text sections):
+# PTX that differs only in the names of its virtual registers runs as before. Prints one
+# line per kernel: "same PTX", "same SASS", "N lines differ", "removed" (at REV only) or
+# "added" (in the checkout only); exits non-zero if any kernel present on both sides
+# differs in its machine code (or in its PTX, without ptxas).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 rev=${1:?usage: same_ptx.sh REV}
@@ -31,6 +34,7 @@ import subprocess
 import sys
 
 HASH = re.compile(r"_[0-9a-f]{16}(?![0-9a-f])")
+SYMBOL = re.compile(r"\bextern_ptr_syml(_[0-9]+)?\b")
 
 
 def kernels(path: str) -> dict[str, list[str]]:
@@ -49,7 +53,7 @@ def kernels(path: str) -> dict[str, list[str]]:
 
 
 def masked(lines: list[str]) -> list[str]:
-    return [HASH.sub("_HASH", line) for line in lines]
+    return [SYMBOL.sub("extern_ptr_syml_N", HASH.sub("_HASH", line)) for line in lines]
 
 
 def sass(lines: list[str], where: str) -> tuple[list[tuple[str, bytes]], str] | None:

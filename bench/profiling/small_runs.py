@@ -4,7 +4,7 @@ records), the verify, the verify with fold on load and the forward (fp32 and bf1
 a ragged batch with a window past RING_LEN and an empty one), on the two GPU window
 kernels (the latency and throughput kernels, each forced), the throughput kernel with
 claimed units (more units than resident blocks at a narrow column tile), and per-channel
-gates (the fold, and the latency kernel's verify, fold on load and forward). Then what
+gates (the fold, and the verify, fold on load and forward on each window kernel). Then what
 only a graph reaches (the eager API refuses bad ids on the host): ids past the pool or the ring in
 GPU graphs of every op and kernel (``skips``), and two requests on one row, which race by
 contract (``shared-row``: memcheck only). Small enough to run under compute-sanitizer
@@ -77,7 +77,9 @@ def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:
 
 def run_channel() -> None:
     run_folds("channel")
-    run_windows("per-channel gates", WindowRunner("gpu"), "channel")
+    # "auto" runs per-channel gates on the latency kernel; the throughput kernel forced.
+    run_windows("per-channel gates, latency kernel", WindowRunner("gpu"), "channel")
+    run_windows("per-channel gates, throughput kernel", WindowRunner("gpu", gpu_path="throughput"), "channel")
 
 
 def run_in_graph(runner: WindowRunner, kind: str, case: WindowCase, tables: dict[str, np.ndarray]

@@ -13,15 +13,21 @@ from mojo.window_gpu_latency import windows_gpu_latency_kernel
 
 
 def emit[
-    state_dtype: DType, K: Int, FOLD_PREVIOUS: Bool, COLUMN_TILE: Int, RECORD: Bool = True
+    state_dtype: DType,
+    K: Int,
+    FOLD_PREVIOUS: Bool,
+    COLUMN_TILE: Int,
+    RECORD: Bool = True,
+    CHANNEL: Bool = False,
 ]():
     print(
         "// window kernel:", state_dtype, "K = V =", K,
         "fold on load" if FOLD_PREVIOUS else ("verify" if RECORD else "forward"), "tile", COLUMN_TILE,
+        "per-channel gates" if CHANNEL else "",
     )
     print(
         _compile_code[
-            windows_gpu_kernel[state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, COLUMN_TILE],
+            windows_gpu_kernel[state_dtype, K, K, 4, RECORD, FOLD_PREVIOUS, COLUMN_TILE, CHANNEL],
             target=get_gpu_target["sm_90a"](),
         ]().asm
     )
@@ -60,3 +66,12 @@ def main():
     emit[DType.bfloat16, 128, False, 64, False]()
     emit[DType.bfloat16, 128, True, 128]()
     emit[DType.float32, 256, True, 64]()
+    # The throughput kernel with per-channel gates: each op, fp32 and bf16, at K = 128;
+    # at K = 256 the verify (the fold on load's static shared memory is over 48 KiB).
+    emit[DType.float32, 128, True, 64, True, True]()
+    emit[DType.float32, 128, False, 64, True, True]()
+    emit[DType.float32, 128, False, 64, False, True]()
+    emit[DType.bfloat16, 128, True, 64, True, True]()
+    emit[DType.bfloat16, 128, False, 64, True, True]()
+    emit[DType.bfloat16, 128, False, 64, False, True]()
+    emit[DType.float32, 256, False, 64, True, True]()

@@ -42,16 +42,25 @@ def _outbox_in_record_keys(key_dim: int, column_tile: int, *, fold_on_load: bool
     return fold_on_load and WINDOW_CHUNK * _lane_major_floats(key_dim) >= outbox
 
 
-def static_bytes(key_dim: int, column_tile: int, *, fold_on_load: bool) -> int:
+def static_bytes(key_dim: int, column_tile: int, *, fold_on_load: bool, channel: bool = False) -> int:
     """Tokens, records, the units' ids and their requests' ids (two buffers as they
     arrive, one lane-major; the record keys arrive in one), and the outbox of
-    readout and delta rows where it does not share the record keys' buffer."""
+    readout and delta rows where it does not share the record keys' buffer. Per-channel
+    gates add the K decays of each token (and record) as they arrive and lane-major.
+
+    >>> static_bytes(128, 64, fold_on_load=True, channel=True)
+    34600
+    """
     lane_major = _lane_major_floats(key_dim)
     natural = key_dim + 2 * COPY_FLOATS
     floats = 5 * 4
     if fold_on_load:
         floats += WINDOW_CHUNK * natural + 2 * WINDOW_CHUNK * (column_tile + 1)
         floats += WINDOW_CHUNK * lane_major
+    if channel:
+        floats += 2 * WINDOW_CHUNK * natural + WINDOW_CHUNK * lane_major
+        if fold_on_load:
+            floats += WINDOW_CHUNK * natural + WINDOW_CHUNK * lane_major
     if not _outbox_in_record_keys(key_dim, column_tile, fold_on_load=fold_on_load):
         floats += OUTBOX_ROWS_PER_TOKEN * WINDOW_CHUNK * column_tile
     floats += 2 * WINDOW_CHUNK * (2 * natural + column_tile + TOKEN_SCALARS)
@@ -68,7 +77,8 @@ def tile_bytes(state_size: int, key_dim: int, column_tile: int) -> int:
     return key_dim * (column_tile + 16 // state_size) * state_size
 
 
-def check_column_tile_fits(state_dtype: DType, key_dim: int, column_tile: int, *, fold_on_load: bool) -> None:
+def check_column_tile_fits(state_dtype: DType, key_dim: int, column_tile: int, *, fold_on_load: bool,
+                           channel: bool = False) -> None:
     """Raises ``ValueError`` naming ``column_tile`` unless one block fits an SM.
 
     >>> check_column_tile_fits(DType.float32, 256, 256, fold_on_load=True)  # doctest: +ELLIPSIS
@@ -79,9 +89,15 @@ def check_column_tile_fits(state_dtype: DType, key_dim: int, column_tile: int, *
     Traceback (most recent call last):
     ...
     ValueError: column_tile: 256 columns of a K=192 float32 state need 234248 bytes of shared memory ...
+    >>> check_column_tile_fits(DType.float32, 256, 64, fold_on_load=True, channel=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: column_tile: 64 columns of a K=256 float32 state with per-channel gates need 61224 bytes ...
     """
     what = f"column_tile: {column_tile} columns of a K={key_dim} {state_dtype.name} state"
-    fixed = static_bytes(key_dim, column_tile, fold_on_load=fold_on_load)
+    if channel:
+        what += " with per-channel gates"
+    fixed = static_bytes(key_dim, column_tile, fold_on_load=fold_on_load, channel=channel)
     if fixed > BLOCK_STATIC_LIMIT:
         raise ValueError(f"{what} need {fixed} bytes of static shared memory per GPU block for the tokens and"
                          f" records, at most {BLOCK_STATIC_LIMIT}: name a narrower tile")

@@ -43,7 +43,9 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: run time from the launch's units of work, below a threshold measured on an H200
 #: (``LATENCY_WARPS_PER_SM`` in ``mojo/window_launch.mojo``); today that threshold is 0,
 #: since the latency kernel was slower at every batch measured, so ``"auto"`` runs the
-#: throughput kernel.
+#: throughput kernel. Per-channel gates (``[T, nv, K]`` decays) run on either kernel;
+#: ``"auto"`` keeps them on the latency kernel until both are timed with them on a GPU,
+#: when the choice will be set from a measured table (``channel_uses_latency_kernel``).
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 
 
@@ -90,7 +92,7 @@ def _check_column_tile(value_dim: int, column_tile: int | None) -> int:
 
 def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: int | None,
                requests_per_block: int | None, *, fold_on_load: bool = False,
-               gpu_path: str = "auto") -> dict[str, int]:
+               gpu_path: str = "auto", channel: bool = False) -> dict[str, int]:
     """The window ops' GPU parameters, checked (the CPU path ignores them): the tile
     must divide V, one block's shared memory must fit an SM, and the path is one of
     :data:`GPU_PATHS`."""
@@ -100,7 +102,10 @@ def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: in
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
     tile = _check_column_tile(value_dim, column_tile)
-    check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load)
+    # Per-channel gates stage more only where they run on the throughput kernel ("auto"
+    # keeps them on the latency kernel, whose launch never compiles the other for them).
+    check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load,
+                           channel=channel and gpu_path == "throughput")
     return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests, "GPU_PATH": GPU_PATHS[gpu_path]}
 
 
@@ -173,13 +178,6 @@ def _check_token_inputs(qkv: TensorValue, decay: TensorValue, beta: TensorValue,
     return "channel"
 
 
-def _check_channel_path(device: DeviceRef, gpu_path: str) -> None:
-    """Per-channel gates run on the GPU's latency kernel: refuses a forced throughput kernel."""
-    if device.is_gpu() and gpu_path == "throughput":
-        raise ValueError("gpu_path: 'throughput' has no per-channel gates ([T, nv, K] decays); use 'auto' or"
-                         " 'latency'")
-
-
 def _check_vector(name: str, value: TensorValue) -> TensorValue:
     if value.rank != 1:
         raise ValueError(f"{name}: expected rank 1, got shape {shape_text(list(value.shape))}")
@@ -235,7 +233,8 @@ def verify_ring(
         decay: ``[T, nv]`` float32 decays, already exp'd; or ``[T, nv, K]`` for per-channel
             gates (Kimi Delta Attention: state row i of a head decays by the i-th, and the
             records hold K decays per value head, ``layout.RecordLayout(..., gate="channel")``;
-            on the GPU these run on the latency kernel).
+            on the GPU ``"auto"`` runs these on the latency kernel, and ``"throughput"``
+            runs them on the throughput kernel).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 ring buffer.
@@ -272,8 +271,6 @@ def verify_ring(
     parameters = ring_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype,
                                  gate)
     check_window_device(recurrent_state.device)
-    if gate == "channel":
-        _check_channel_path(recurrent_state.device, gpu_path)
     value_dim = parameters["V"]
     nv, nk, width = (static_size(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
     if nv is not None and nk is not None and width is not None:
@@ -285,7 +282,8 @@ def verify_ring(
     ]
     name = VERIFY_OP_NAME
     tiling = gpu_tiling(recurrent_state.dtype, parameters["K"], value_dim, column_tile, requests_per_block,
-                        fold_on_load=previous_ring_row_ids is not None, gpu_path=gpu_path)
+                        fold_on_load=previous_ring_row_ids is not None, gpu_path=gpu_path,
+                        channel=gate == "channel")
     if (previous_ring_row_ids is None) != (previous_num_accepted is None):
         raise ValueError("previous_ring_row_ids, previous_num_accepted: give both for fold on load, or neither")
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
@@ -296,9 +294,8 @@ def verify_ring(
         ]
     op_parameters: dict[str, int] = {"K": parameters["K"], "V": value_dim, "RING_LEN": parameters["RING_LEN"]}
     if gate == "channel":
-        name += CHANNEL_OP_SUFFIX  # the latency kernel on a GPU: no tiling
-    else:
-        op_parameters.update(tiling)
+        name += CHANNEL_OP_SUFFIX
+    op_parameters.update(tiling)
     results = ops.inplace_custom(
         name,
         recurrent_state.device,
@@ -367,11 +364,8 @@ def recurrence(
     if nv is not None and width is not None:
         check_qkv_width(width, nv, key_dim, value_dim)
     op_parameters: dict[str, int] = {"K": key_dim, "V": value_dim}
-    tiling = gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block, gpu_path=gpu_path)
-    if gate == "channel":
-        _check_channel_path(recurrent_state.device, gpu_path)  # the latency kernel: no tiling
-    else:
-        op_parameters.update(tiling)
+    op_parameters.update(gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block,
+                                    gpu_path=gpu_path, channel=gate == "channel"))
     results = ops.inplace_custom(
         RECURRENCE_OP_NAME + (CHANNEL_OP_SUFFIX if gate == "channel" else ""),
         recurrent_state.device,

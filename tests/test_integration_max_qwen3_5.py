@@ -402,10 +402,14 @@ def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray
         outputs.append(host)
         copy_back(up[1], pool)
         if routed:
+            before = want_pool.copy()
             want = reference.recurrence(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows,
                                             offsets, num_key_heads=NK)
             assert_bits_equal(readout.to_numpy(), want, f"{tokens}-token step: the forward's readout")
-            assert_bits_equal(pool, want_pool, f"{tokens}-token step: pool")
+            # A pool that differs is told apart from one left as it was before the step.
+            unchanged = int(np.count_nonzero(bits(pool) == bits(before)))
+            assert_bits_equal(pool, want_pool, f"{tokens}-token step: pool ({unchanged} of {pool.size} elements"
+                                               f" as before the step)")
             checked += 1
     return outputs, pool, checked
 

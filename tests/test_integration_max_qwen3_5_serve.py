@@ -601,7 +601,9 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative
             "--port", str(port), "--served-model-name", "tiny", *extra]
     if speculative:
         argv += ["--speculative-method", "mtp", "--num-speculative-tokens", "3"]
+    # faulthandler: a model worker that crashes leaves its Python stack in the log.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1",
+           "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))}
     env.pop("GDFOLD_MAX_QWEN3_5", None)
     if mode is not None:

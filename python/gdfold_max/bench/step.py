@@ -28,8 +28,9 @@ spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours``,
 ``fused`` and ``forward`` run. Shapes default to Qwen3-Next-80B's gated-delta layers. Every
 request verifies a window of W tokens (``window``: 1 is plain decoding, 8 a block of MAX's
 DFlash2 drafter, 16 our longest ring) into a ring of RING_LEN = W records, and W - 1 of the
-previous step's records are accepted. MAX's verify and fold run only where its ring
-kernels are compiled for RING_LEN (:data:`MAX_RING_LENS`).
+previous step's records are accepted (at W = 1 the one record, as plain decoding keeps every
+token: with none accepted ``ours`` and ``fused`` would only read the state). MAX's verify
+and fold run only where its ring kernels are compiled for RING_LEN (:data:`MAX_RING_LENS`).
 
 Beside each row stands the state's bytes floor: the state read and written once, at the
 bandwidth of the device's own copy of a large buffer (a numpy copy on the CPU).
@@ -337,7 +338,7 @@ def run_step_bench(
     batches = list(batches)
     if window is not None:
         step_variants(shape.gate, window, False)  # refuses a window outside 1 to 16
-        shape = dataclasses.replace(shape, ring_len=window, accepted=window - 1)
+        shape = dataclasses.replace(shape, ring_len=window, accepted=max(window - 1, 1))
     console = console or Console()
     device = device or Accelerator()
     on_gpu = device.label != "cpu"

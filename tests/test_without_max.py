@@ -42,6 +42,8 @@ def test_reference_layout_and_cases_need_no_max() -> None:
         again = reference.fold(made.state_in.copy(), made.ring, made.row_ids, made.ring_row_ids, made.num_accepted)
         assert np.array_equal(again.view(np.uint32), made.state_out.view(np.uint32))
         assert layout.RecordLayout(128, 128, 2).min_stride == 416
+        from gdfold_max import trees
+        trees.check_parents(trees.chain_parents(2, 4), [4, 3], 4)
         assert "max" not in sys.modules and not any(m.startswith("max.") for m in sys.modules)
         print("ok")
     """)

@@ -322,6 +322,39 @@ def random_window_case(
     )
 
 
+def random_parents(seed: int, windows: list[int], ring_len: int) -> NDArray:
+    """A random token tree per request (``trees``' ``parents`` table ``[batch, RING_LEN]``
+    int32): node 0 continues the committed state, every later node picks its parent among
+    the nodes before it (the one just before half of the time, so that paths run deep);
+    entries past a window are -1."""
+    rng = np.random.default_rng(seed)
+    parents = np.full((len(windows), ring_len), -1, np.int32)
+    for b, window in enumerate(windows):
+        for i in range(1, window):
+            parents[b, i] = i - 1 if rng.random() < 0.5 else rng.integers(0, i)
+    return parents
+
+
+def random_accepted_nodes(seed: int, parents: NDArray, windows: list[int]) -> tuple[NDArray, NDArray]:
+    """A random accepted path per request along ``parents``: the root path of a random
+    node (none, for an empty window, and now and then for any). Returns
+    ``(accepted_nodes [batch, RING_LEN] uint32, num_accepted [batch] uint32)``; entries
+    past a path are RING_LEN, a node no window holds."""
+    from .trees import root_path
+
+    rng = np.random.default_rng(seed)
+    batch, ring_len = parents.shape
+    nodes = np.full((batch, ring_len), ring_len, np.uint32)
+    counts = np.zeros(batch, np.uint32)
+    for b, window in enumerate(windows):
+        if window == 0 or rng.random() < 0.15:
+            continue
+        path = root_path(parents[b], int(rng.integers(0, window)))
+        nodes[b, : len(path)] = path
+        counts[b] = len(path)
+    return nodes, counts
+
+
 def shard_window_case(case: WindowCase, shard: HeadShard) -> tuple[np.ndarray, ...]:
     """A verify case's ``qkv``, ``decay``, ``beta``, pool and ring cut to one shard (its row
     tables serve every shard as they are). Imports ``gdfold_max.sharded``, so needs MAX."""

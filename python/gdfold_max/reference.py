@@ -277,6 +277,77 @@ def verify_ring(
     return readout
 
 
+def verify_tree(
+    qkv: NDArray,
+    decay: NDArray,
+    beta: NDArray,
+    recurrent_state: NDArray,
+    ring: NDArray,
+    row_ids: NDArray,
+    ring_row_ids: NDArray,
+    input_row_offsets: NDArray,
+    parents: NDArray,
+    *,
+    previous_ring_row_ids: NDArray | None = None,
+    previous_num_accepted: NDArray | None = None,
+    previous_accepted_nodes: NDArray | None = None,
+) -> F32:
+    """Runs the recurrence over each request's window as a token tree, recording into
+    the ring (:mod:`gdfold_max.trees`).
+
+    Node ``i`` (token ``i`` of the window) steps from its parent's fp32 state (from the
+    pool's state for a parent of -1) in the order of :func:`recurrence`, and writes record
+    ``i`` as :func:`verify_ring` does. So node ``i``'s readout is the forward's over the
+    tokens of its root path, bit for bit, and folding the records of an accepted path
+    (:func:`fold` with ``accepted_nodes``) equals the forward over that path's tokens. A
+    chain (``trees.chain_parents``) gives :func:`verify_ring`'s readout and records. The
+    pool is not written; every window must fit the ring.
+
+    With the previous step's ``previous_ring_row_ids``, ``previous_num_accepted`` and
+    ``previous_accepted_nodes`` (fold on load), that step's accepted path is first folded
+    into the pool, as :func:`fold` does, and the tree runs from the folded state.
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+
+    Raises:
+        ValueError: a table that does not describe trees (``trees.check_parents``) or
+            paths along them.
+    """
+    from .trees import COMMITTED, check_parents
+
+    gate = gate_of(decay)
+    _, nk, ring_len, _ = ring.shape
+    requests = _requests(input_row_offsets)
+    check_parents(parents, [end - start for _, start, end in requests], ring_len)
+    if previous_ring_row_ids is not None and previous_num_accepted is not None:
+        fold(recurrent_state, ring, np.asarray(row_ids)[None], np.asarray(previous_ring_row_ids)[None],
+             previous_num_accepted, gate=gate, accepted_nodes=previous_accepted_nodes)
+    _, nv, kd, vd = recurrent_state.shape
+    heads = HeadShape(nk, nv, kd, vd)
+    layout = RecordLayout(kd, vd, heads.group_size, gate)
+    deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
+    readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
+    for b, start, end in requests:
+        committed = _widen(recurrent_state[int(row_ids[b])])
+        record_row = ring[int(ring_row_ids[b])]
+        states: list[F32] = []
+        for i, t in enumerate(range(start, end)):
+            parent = int(parents[b, i])
+            q, k, v = heads.split(qkv[t])
+            state, delta, out = _token_step(committed if parent == COMMITTED else states[parent], q, k, v,
+                                            decay[t], beta[t], heads)
+            states.append(state)
+            readout[t] = out.reshape(-1)
+            record = record_row[:, i]  # [nk, stride]
+            record[:, :kd] = k[:: heads.group_size]
+            record[:, deltas_at : deltas_at + heads.group_size * vd] = delta.reshape(nk, -1)
+            record[:, decays_at : decays_at + heads.group_size * layout.decay_length] = np.asarray(
+                decay[t], np.float32
+            ).reshape(nk, -1)
+    return readout
+
+
 def fold_records(state: NDArray, keys: NDArray, deltas: NDArray, decays: NDArray) -> F32:
     """Applies records to one fp32 ``[nv, K, V]`` state: ``S = fma(k, u, S * d)`` in order.
 
@@ -299,13 +370,17 @@ def fold(
     num_accepted: NDArray,
     *,
     gate: Gate = "head",
+    accepted_nodes: NDArray | None = None,
 ) -> NDArray:
     """Folds the first ``num_accepted[b]`` records of every (layer, request), in place.
 
     The reference twin of :func:`gdfold_max.fold`, with the same row semantics: a
     request with 0 or more than RING_LEN accepted records is not read or written.
     (Layer, request) pairs are applied in row-table order. ``gate="channel"`` reads the
-    records' K decays per value head (per-channel gates).
+    records' K decays per value head (per-channel gates). With ``accepted_nodes``
+    ``[batch, RING_LEN]`` (a path along a token tree, :mod:`gdfold_max.trees`) the records
+    folded are ``accepted_nodes[b, :num_accepted[b]]``, in that order, instead of the
+    first ones.
 
     Returns:
         ``recurrent_state``, folded.
@@ -322,7 +397,9 @@ def fold(
             if accepted == 0 or accepted > ring_len:
                 continue
             row, ring_row = int(row_ids[layer, b]), int(ring_row_ids[layer, b])
-            records = np.asarray(ring[ring_row, :, :accepted], np.float32)  # [nk, n, stride]
+            picked = slice(None, accepted) if accepted_nodes is None else np.asarray(
+                accepted_nodes[b, :accepted], np.int64)
+            records = np.asarray(ring[ring_row][:, picked], np.float32)  # [nk, n, stride]
             keys = np.repeat(records[:, :, :kd], group, axis=0)  # [nv, n, K]
             deltas = records[:, :, deltas_at : deltas_at + group * vd]
             deltas = deltas.reshape(nk, accepted, group, vd).transpose(0, 2, 1, 3)
@@ -353,4 +430,5 @@ __all__ = [
     "query_scale",
     "recurrence",
     "verify_ring",
+    "verify_tree",
 ]

@@ -1,0 +1,149 @@
+"""Token trees of a draft: the tables that describe them, and their checks.
+
+A request's verify window may be a tree of draft tokens instead of a chain (EAGLE-2/3,
+Medusa). The window's tokens are the tree's nodes in topological order, and two tables
+describe the tree and what the sampler kept of it (``docs/design.md``, "Token trees"):
+
+* ``parents`` ``[batch, RING_LEN]`` int32: node ``i``'s parent inside the request's own
+  window, or :data:`COMMITTED` (-1) for a node that continues the committed state (the
+  root; several such nodes make a forest). A parent precedes its node:
+  ``-1 <= parents[b, i] < i``. Entries past the request's window are not read.
+* ``accepted_nodes`` ``[batch, RING_LEN]`` uint32 beside ``num_accepted`` ``[batch]``: the
+  first ``num_accepted[b]`` entries name the accepted nodes root first, each the child of
+  the one before (the first a child of the committed state). Entries past
+  ``num_accepted[b]`` are not read.
+
+A chain is the special case ``parents[b] = [-1, 0, 1, ...]`` (:func:`chain_parents`) and
+``accepted_nodes[b] = [0, 1, 2, ...]`` (:func:`chain_path`): today's verify and fold.
+
+This module needs only numpy, like the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+#: The parent of a node that continues the committed state.
+COMMITTED = -1
+
+
+def chain_parents(batch: int, ring_len: int) -> NDArray[np.int32]:
+    """The ``parents`` table of chains: every node the child of the one before."""
+    return np.tile(np.arange(-1, ring_len - 1, dtype=np.int32), (batch, 1))
+
+
+def chain_path(batch: int, ring_len: int) -> NDArray[np.uint32]:
+    """The ``accepted_nodes`` table of chains: the window's nodes in order."""
+    return np.tile(np.arange(ring_len, dtype=np.uint32), (batch, 1))
+
+
+def parents_from_paths(paths: Sequence[Sequence[int]]) -> NDArray[np.int32]:
+    """A tree given as EAGLE's and vLLM's static trees are (``mc_sim_7b_63``,
+    ``speculative_token_tree``): each node the path of child ranks from the root to it,
+    the root itself left out. Returns the parents of the root and then every node, the
+    nodes sorted by ``(len(path), path)`` (vLLM's order, breadth first), so node ``i + 1``
+    of the window is the ``i``-th path of that order and node 0 the root.
+
+    Raises:
+        ValueError: a path whose own prefix is missing, or a repeated path.
+    """
+    ordered = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
+    index: dict[tuple[int, ...], int] = {(): 0}
+    for path in ordered:
+        if not path:
+            raise ValueError("paths: the empty path (the root) is implied; leave it out")
+        if path in index:
+            raise ValueError(f"paths: {list(path)} appears twice")
+        if path[:-1] not in index:
+            raise ValueError(f"paths: {list(path)} has no parent path {list(path[:-1])}")
+        index[path] = len(index)
+    parents = np.full(len(index), COMMITTED, np.int32)
+    for path, node in index.items():
+        if path:
+            parents[node] = index[path[:-1]]
+    return parents
+
+
+def root_path(parents: NDArray, node: int) -> list[int]:
+    """The nodes from the first after the committed state down to ``node``, in order."""
+    path = [node]
+    while parents[path[-1]] != COMMITTED:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def check_parents(parents: NDArray, windows: Sequence[int], ring_len: int) -> None:
+    """Refuses a ``parents`` table that is not ``[batch, RING_LEN]`` of integers, a window
+    longer than RING_LEN (a tree's records must all fit the ring: it has no one path to
+    commit), or a node whose parent is not ``-1`` or an earlier node of its window.
+
+    Raises:
+        ValueError: naming ``parents`` (or ``input_row_offsets``), the request, the node
+            and the bad value.
+    """
+    parents = np.asarray(parents)
+    if parents.ndim != 2 or parents.shape != (len(windows), ring_len):
+        raise ValueError(f"parents: expected shape [{len(windows)}, {ring_len}] ([batch, RING_LEN]),"
+                         f" got {list(parents.shape)}")
+    if not np.issubdtype(parents.dtype, np.integer):
+        raise ValueError(f"parents: expected an integer table, got {parents.dtype}")
+    for b, window in enumerate(windows):
+        if window > ring_len:
+            raise ValueError(f"input_row_offsets: request {b} has a window of {window} tokens, past"
+                             f" RING_LEN {ring_len}; a tree window must fit the ring")
+        for i in range(window):
+            parent = int(parents[b, i])
+            if not COMMITTED <= parent < i:
+                raise ValueError(f"parents: request {b} node {i} has parent {parent}; a parent is -1 (the"
+                                 f" committed state) or an earlier node of the window (0 to {i - 1})")
+
+
+def check_accepted_nodes(accepted_nodes: NDArray, num_accepted: NDArray, parents: NDArray,
+                         windows: Sequence[int], ring_len: int) -> None:
+    """Refuses an accepted path that is not a chain of parent links from the committed
+    state through ``parents``: a node outside its request's window, a node whose parent
+    is not the node before it (the first: not -1), a repeated node, or a path longer than
+    RING_LEN or than the window.
+
+    Raises:
+        ValueError: naming ``accepted_nodes`` or ``num_accepted``, the request and the
+            bad value.
+    """
+    accepted_nodes = np.asarray(accepted_nodes)
+    num_accepted = np.asarray(num_accepted)
+    if accepted_nodes.ndim != 2 or accepted_nodes.shape != (len(windows), ring_len):
+        raise ValueError(f"accepted_nodes: expected shape [{len(windows)}, {ring_len}] ([batch, RING_LEN]),"
+                         f" got {list(accepted_nodes.shape)}")
+    if num_accepted.shape != (len(windows),):
+        raise ValueError(f"num_accepted: expected shape [{len(windows)}], got {list(num_accepted.shape)}")
+    for b, window in enumerate(windows):
+        count = int(num_accepted[b])
+        if not 0 <= count <= min(window, ring_len):
+            raise ValueError(f"num_accepted: request {b} accepts {count} nodes of a window of {window}"
+                             f" (RING_LEN {ring_len})")
+        previous = COMMITTED
+        for j in range(count):
+            node = int(accepted_nodes[b, j])
+            if not 0 <= node < window:
+                raise ValueError(f"accepted_nodes: request {b} entry {j} is node {node}, outside its window"
+                                 f" of {window}")
+            if int(parents[b, node]) != previous:
+                # A repeated node fails here too: its parent is not the node before it.
+                raise ValueError(f"accepted_nodes: request {b} entry {j} is node {node}, whose parent is"
+                                 f" {int(parents[b, node])}, not {previous}: the path must follow parent"
+                                 f" links from the committed state")
+            previous = node
+
+
+__all__ = [
+    "COMMITTED",
+    "chain_parents",
+    "chain_path",
+    "check_accepted_nodes",
+    "check_parents",
+    "parents_from_paths",
+    "root_path",
+]

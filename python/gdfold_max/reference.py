@@ -240,16 +240,19 @@ def verify_ring(
     Returns:
         The readout, ``[T, nv*V]`` float32.
     """
-    gate = gate_of(decay)
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
-        fold(
-            recurrent_state,
-            ring,
-            np.asarray(row_ids)[None],
-            np.asarray(previous_ring_row_ids)[None],
-            previous_num_accepted,
-            gate=gate,
-        )
+        fold(recurrent_state, ring, np.asarray(row_ids)[None], np.asarray(previous_ring_row_ids)[None],
+             previous_num_accepted, gate=gate_of(decay))
+    return _record_windows(qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids, input_row_offsets, None)
+
+
+def _record_windows(qkv: NDArray, decay: NDArray, beta: NDArray, recurrent_state: NDArray, ring: NDArray,
+                    row_ids: NDArray, ring_row_ids: NDArray, input_row_offsets: NDArray,
+                    parents: NDArray | None) -> F32:
+    """The verify's windows: token ``i`` of a request steps from the token before it
+    (``parents`` None: a chain) or from node ``parents[b, i]`` (-1: the pool's state) and
+    writes record ``i``; a chain longer than the ring commits the pool instead."""
+    gate = gate_of(decay)
     _, nv, kd, vd = recurrent_state.shape
     _, nk, ring_len, _ = ring.shape
     heads = HeadShape(nk, nv, kd, vd)
@@ -258,12 +261,17 @@ def verify_ring(
     readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
     for b, start, end in _requests(input_row_offsets):
         row = int(row_ids[b])
-        state = _widen(recurrent_state[row])
+        state = committed = _widen(recurrent_state[row])
         record_row = ring[int(ring_row_ids[b])]
         window = end - start
+        states: list[F32] = []
         for i, t in enumerate(range(start, end)):
+            if parents is not None:
+                parent = int(parents[b, i])
+                state = committed if parent < 0 else states[parent]
             q, k, v = heads.split(qkv[t])
             state, delta, out = _token_step(state, q, k, v, decay[t], beta[t], heads)
+            states.append(state)
             readout[t] = out.reshape(-1)
             if window <= ring_len:
                 record = record_row[:, i]  # [nk, stride]
@@ -314,38 +322,15 @@ def verify_tree(
         ValueError: a table that does not describe trees (``trees.check_parents``) or
             paths along them.
     """
-    from .trees import COMMITTED, check_parents
+    from .trees import check_parents
 
-    gate = gate_of(decay)
-    _, nk, ring_len, _ = ring.shape
     requests = _requests(input_row_offsets)
-    check_parents(parents, [end - start for _, start, end in requests], ring_len)
+    check_parents(parents, [end - start for _, start, end in requests], ring.shape[2])
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
         fold(recurrent_state, ring, np.asarray(row_ids)[None], np.asarray(previous_ring_row_ids)[None],
-             previous_num_accepted, gate=gate, accepted_nodes=previous_accepted_nodes)
-    _, nv, kd, vd = recurrent_state.shape
-    heads = HeadShape(nk, nv, kd, vd)
-    layout = RecordLayout(kd, vd, heads.group_size, gate)
-    deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
-    readout = np.zeros((qkv.shape[0], nv * vd), np.float32)
-    for b, start, end in requests:
-        committed = _widen(recurrent_state[int(row_ids[b])])
-        record_row = ring[int(ring_row_ids[b])]
-        states: list[F32] = []
-        for i, t in enumerate(range(start, end)):
-            parent = int(parents[b, i])
-            q, k, v = heads.split(qkv[t])
-            state, delta, out = _token_step(committed if parent == COMMITTED else states[parent], q, k, v,
-                                            decay[t], beta[t], heads)
-            states.append(state)
-            readout[t] = out.reshape(-1)
-            record = record_row[:, i]  # [nk, stride]
-            record[:, :kd] = k[:: heads.group_size]
-            record[:, deltas_at : deltas_at + heads.group_size * vd] = delta.reshape(nk, -1)
-            record[:, decays_at : decays_at + heads.group_size * layout.decay_length] = np.asarray(
-                decay[t], np.float32
-            ).reshape(nk, -1)
-    return readout
+             previous_num_accepted, gate=gate_of(decay), accepted_nodes=previous_accepted_nodes)
+    return _record_windows(qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids, input_row_offsets,
+                           parents)
 
 
 def fold_records(state: NDArray, keys: NDArray, deltas: NDArray, decays: NDArray) -> F32:

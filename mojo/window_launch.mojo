@@ -72,9 +72,9 @@ def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
 
 def channel_uses_latency_kernel[GPU_PATH: Int]() -> Bool:
     """The kernel of a launch with per-channel gates. "auto" runs them on the latency
-    kernel, as before the throughput kernel took them: neither has been timed with
-    per-channel gates on a GPU yet, and the choice will be set from a measured table
-    (by batch, as LATENCY_WARPS_PER_SM is for head gates) once they have."""
+    kernel until both kernels are timed with them in one process (bench/tuning/
+    tune_paths.py --gate channel); the throughput kernel is then compiled for "auto" too
+    (see run_windows), and the choice set by batch as LATENCY_WARPS_PER_SM is."""
     comptime if GPU_PATH == GPU_PATH_THROUGHPUT:
         return False
     return True
@@ -418,5 +418,11 @@ def run_windows[
                 attributes=dependent_launch(dependent),
             )
             _ = counter^  # freed in stream order, after the kernel
+        else:
+            # Only a forced throughput path compiles that kernel for per-channel gates.
+            raise Error(
+                "gdfold window op: per-channel gates reached the throughput kernel, which is"
+                " compiled for them only with gpu_path=\"throughput\""
+            )
     else:
         raise Error(t"unsupported target {target}")

@@ -97,18 +97,18 @@ GPU_TARGETS = [pytest.param(("gpu", path), id=f"gpu-{path}", marks=pytest.mark.g
 DEVICES = [CPU_TARGET, pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu)]
 
 
-def on_path(point: Point, device: str, path: str) -> bool:
-    """Whether a point runs on a path: every point on the CPU and on the GPU's latency
-    kernel; on its throughput kernel every one whose block fits an SM (per-channel gates
-    stage K decays per token and per record, which at K = 256 with a fold on load pass
-    the 48 KiB of static shared memory)."""
+def on_path(point: Point, device: str, path: str, kind: str) -> bool:
+    """Whether a point runs ``kind`` (verify, fold_on_load or forward) on a path: every
+    point on the CPU and on the GPU's latency kernel; on its throughput kernel every one
+    whose block fits an SM (per-channel gates stage K decays per token and per record,
+    which at K = 256 with a fold on load pass the 48 KiB of static shared memory; its
+    verify and forward fit)."""
     if device == "cpu" or path != "throughput" or point.gate == "head":
         return True
-    # A point runs every op, the fold on load the largest.
     tile = default_column_tile(point.value_dim)
     try:
-        check_column_tile_fits(max_dtype(np.zeros(0, point.state_dtype)), point.key_dim, tile, fold_on_load=True,
-                               channel=True)
+        check_column_tile_fits(max_dtype(np.zeros(0, point.state_dtype)), point.key_dim, tile,
+                               fold_on_load=kind == "fold_on_load", channel=True)
     except ValueError:
         return False
     return True
@@ -228,7 +228,7 @@ def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:
 def check_window_op(device: str, path: str, kind: str) -> None:
     """Runs ``kind`` (verify, fold_on_load or forward) on ``path`` for every point that
     has it, in one graph, against the reference."""
-    covered = [p for p in range_on(device) if on_path(p, device, path)]
+    covered = [p for p in range_on(device) if on_path(p, device, path, kind)]
     calls = [window_call(window_case(p, 23 if kind == "forward" else 22), kind, path) for p in covered]
     failures = []
     for point, (readout, written) in zip(covered, run_many(device, f"range_{kind}_{device}_{path}", calls),

@@ -55,9 +55,9 @@ def verify_tree(case: WindowCase, parents: np.ndarray, **previous: np.ndarray
 
 @pytest.mark.parametrize(("state_dtype", "gate"), CASES)
 def test_a_chain_is_today_s_verify(state_dtype: str, gate: str) -> None:
+    """Every window of WINDOWS fits the ring; a longer chain verify_ring commits, and a
+    tree refuses (test_a_tree_window_past_the_ring_is_refused)."""
     case, _ = tree_case(state_dtype, gate)
-    windows = [min(w, RING_LEN) for w in WINDOWS]
-    assert windows == WINDOWS
     chain = trees.chain_parents(len(WINDOWS), RING_LEN)
     out, state, ring = verify_tree(case, chain)
     want_out, want_state, want_ring = case.run_verify(reference.verify_ring, fold_on_load=False)
@@ -202,3 +202,34 @@ def test_a_path_longer_than_the_ring_is_refused() -> None:
     with pytest.raises(ValueError, match=r"num_accepted: request 0 accepts 5 nodes of a window of 4 \(RING_LEN 4\)"):
         trees.check_accepted_nodes(trees.chain_path(1, 4), np.asarray([5]), parents, [4], 4)
     trees.check_accepted_nodes(np.asarray([[0, 1, 3, 5, 8, 8, 8, 8]]), np.asarray([4]), TREE, [6], 8)
+
+
+def test_a_tree_window_past_the_ring_is_refused() -> None:
+    case = random_window_case(3, windows=[2, RING_LEN + 1], ring_len=RING_LEN, key_dim=16, value_dim=16)
+    with pytest.raises(ValueError, match=r"input_row_offsets: request 1 has a window of 9 tokens, past RING_LEN 8"):
+        verify_tree(case, trees.chain_parents(2, RING_LEN))
+
+
+def test_the_random_trees_are_forests_now_and_then() -> None:
+    """So that a later node continuing the committed state, and paths from a second
+    root, are exercised by the tests above."""
+    _, parents = tree_case("float32", "head")
+    assert any(parents[b, i] == -1 for b, w in enumerate(WINDOWS) for i in range(1, w))
+
+
+def test_folds_along_paths_out_of_the_ring_or_out_of_order_are_refused() -> None:
+    case, parents = tree_case("float32", "head")
+    _, _, ring = verify_tree(case, parents)
+    for path, message in (([0, 0], r"request 0 names nodes \[0, 0\]"), ([2, 1], r"request 0 names nodes \[2, 1\]"),
+                          ([0, RING_LEN], r"request 0 names nodes \[0, 8\]")):
+        nodes = trees.chain_path(len(WINDOWS), RING_LEN)
+        nodes[0, :2] = path
+        counts = np.zeros(len(WINDOWS), np.uint32)
+        counts[0] = 2
+        pool = case.state.copy()
+        with pytest.raises(ValueError, match="accepted_nodes: " + message):
+            reference.fold(pool, ring, case.row_ids[None], case.ring_row_ids[None], counts, accepted_nodes=nodes)
+        assert_bits_equal(pool, case.state, "nothing folded")
+    with pytest.raises(ValueError, match=r"previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes"):
+        verify_tree(case, parents, previous_ring_row_ids=case.previous_ring_row_ids,
+                    previous_num_accepted=case.previous_num_accepted)

@@ -25,7 +25,6 @@ the path ``--copy-path`` names (default: the latency kernel).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from collections.abc import Callable
 from functools import partial
@@ -37,7 +36,7 @@ from max.engine import InferenceSession
 from rich.console import Console
 
 from gdfold_max.bench.harness import FoldShape, compile_together, measure_rounds
-from gdfold_max.bench.step import MAX_RING_LENS, WINDOWS, StepGraphs, make_step_operands, step_host_inputs
+from gdfold_max.bench.step import MAX_RING_LENS, WINDOWS, StepGraphs, make_step_operands, step_host_inputs, window_shape
 
 PATHS = ("latency", "throughput")
 OURS = ("fused", "forward")
@@ -66,9 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console()
     device = Accelerator()
-    # As bench-step: W - 1 of the previous step's records accepted (the one at W = 1).
-    shape = dataclasses.replace(FoldShape.for_gate(args.gate), ring_len=args.window,
-                                accepted=max(args.window - 1, 1))
+    shape = window_shape(FoldShape.for_gate(args.gate), args.window)
     # MAX's verify and fold where its ring kernels are compiled, else its forward.
     anchor = "kda" if args.gate == "channel" else "max" if args.window in MAX_RING_LENS else "max-forward"
     state_dtype = DType.float32 if args.dtype == "float32" else DType.bfloat16

@@ -325,13 +325,14 @@ def random_window_case(
 def random_parents(seed: int, windows: list[int], ring_len: int) -> NDArray:
     """A random token tree per request (``trees``' ``parents`` table ``[batch, RING_LEN]``
     int32): node 0 continues the committed state, every later node picks its parent among
-    the nodes before it (the one just before half of the time, so that paths run deep);
-    entries past a window are -1."""
+    the nodes before it (the one just before half of the time, so that paths run deep) or,
+    one time in ten, the committed state too (a forest); entries past a window are -1."""
     rng = np.random.default_rng(seed)
     parents = np.full((len(windows), ring_len), -1, np.int32)
     for b, window in enumerate(windows):
         for i in range(1, window):
-            parents[b, i] = i - 1 if rng.random() < 0.5 else rng.integers(0, i)
+            draw = rng.random()
+            parents[b, i] = -1 if draw < 0.1 else i - 1 if draw < 0.55 else rng.integers(0, i)
     return parents
 
 

@@ -309,7 +309,8 @@ def verify_tree(
     tokens of its root path, bit for bit, and folding the records of an accepted path
     (:func:`fold` with ``accepted_nodes``) equals the forward over that path's tokens. A
     chain (``trees.chain_parents``) gives :func:`verify_ring`'s readout and records. The
-    pool is not written; every window must fit the ring.
+    pool is not written; every window must fit the ring (where :func:`verify_ring` would
+    commit a longer chain, a tree has no one path to commit).
 
     With the previous step's ``previous_ring_row_ids``, ``previous_num_accepted`` and
     ``previous_accepted_nodes`` (fold on load), that step's accepted path is first folded
@@ -319,13 +320,18 @@ def verify_tree(
         The readout, ``[T, nv*V]`` float32.
 
     Raises:
-        ValueError: a table that does not describe trees (``trees.check_parents``) or
-            paths along them.
+        ValueError: ``parents`` that do not describe trees of the windows
+            (``trees.check_parents``), previous paths out of the ring or out of order
+            (``trees.check_path_nodes``), or only some of the three previous tables.
     """
     from .trees import check_parents
 
     requests = _requests(input_row_offsets)
     check_parents(parents, [end - start for _, start, end in requests], ring.shape[2])
+    previous = (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)
+    if any(p is None for p in previous) and any(p is not None for p in previous):
+        raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
+                         " (fold on load of the previous path) or none")
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
         fold(recurrent_state, ring, np.asarray(row_ids)[None], np.asarray(previous_ring_row_ids)[None],
              previous_num_accepted, gate=gate_of(decay), accepted_nodes=previous_accepted_nodes)
@@ -365,7 +371,9 @@ def fold(
     records' K decays per value head (per-channel gates). With ``accepted_nodes``
     ``[batch, RING_LEN]`` (a path along a token tree, :mod:`gdfold_max.trees`) the records
     folded are ``accepted_nodes[b, :num_accepted[b]]``, in that order, instead of the
-    first ones.
+    first ones; ``trees.check_path_nodes`` refuses a path that names nodes out of the ring
+    or out of order (whether it follows parent links needs the tree:
+    ``trees.check_accepted_nodes``).
 
     Returns:
         ``recurrent_state``, folded.
@@ -377,6 +385,10 @@ def fold(
     deltas_at, decays_at = layout.delta_offset(0), layout.decay_offset(0)
     row_ids = np.asarray(row_ids)
     ring_row_ids = np.asarray(ring_row_ids)
+    if accepted_nodes is not None:
+        from .trees import check_path_nodes
+
+        check_path_nodes(accepted_nodes, num_accepted, ring_len)
     for layer in range(row_ids.shape[0]):
         for b, accepted in enumerate(int(n) for n in np.asarray(num_accepted)):
             if accepted == 0 or accepted > ring_len:

@@ -101,6 +101,29 @@ def check_parents(parents: NDArray, windows: Sequence[int], ring_len: int) -> No
                                  f" committed state) or an earlier node of the window (0 to {i - 1})")
 
 
+def check_path_nodes(accepted_nodes: NDArray, num_accepted: NDArray, ring_len: int) -> None:
+    """What a fold can check of accepted paths without their tree: ``accepted_nodes`` is
+    ``[batch, RING_LEN]``, and each path of 1 to RING_LEN nodes names nodes of the ring in
+    increasing order (a parent precedes its node, so a path along parent links does). A
+    count of 0 or past RING_LEN folds nothing, as in the fold of a chain.
+
+    Raises:
+        ValueError: naming ``accepted_nodes``, the request and the bad value.
+    """
+    accepted_nodes = np.asarray(accepted_nodes)
+    batch = len(np.asarray(num_accepted))
+    if accepted_nodes.shape != (batch, ring_len):
+        raise ValueError(f"accepted_nodes: expected shape [{batch}, {ring_len}] ([batch, RING_LEN]),"
+                         f" got {list(accepted_nodes.shape)}")
+    for b, count in enumerate(int(n) for n in np.asarray(num_accepted)):
+        if not 0 < count <= ring_len:
+            continue
+        path = [int(n) for n in accepted_nodes[b, :count]]
+        if any(not 0 <= n < ring_len for n in path) or any(a >= c for a, c in zip(path[:-1], path[1:], strict=True)):
+            raise ValueError(f"accepted_nodes: request {b} names nodes {path}; a path names nodes 0 to"
+                             f" {ring_len - 1} in increasing order")
+
+
 def check_accepted_nodes(accepted_nodes: NDArray, num_accepted: NDArray, parents: NDArray,
                          windows: Sequence[int], ring_len: int) -> None:
     """Refuses an accepted path that is not a chain of parent links from the committed
@@ -112,6 +135,7 @@ def check_accepted_nodes(accepted_nodes: NDArray, num_accepted: NDArray, parents
         ValueError: naming ``accepted_nodes`` or ``num_accepted``, the request and the
             bad value.
     """
+    check_parents(parents, windows, ring_len)
     accepted_nodes = np.asarray(accepted_nodes)
     num_accepted = np.asarray(num_accepted)
     if accepted_nodes.ndim != 2 or accepted_nodes.shape != (len(windows), ring_len):
@@ -144,6 +168,7 @@ __all__ = [
     "chain_path",
     "check_accepted_nodes",
     "check_parents",
+    "check_path_nodes",
     "parents_from_paths",
     "root_path",
 ]

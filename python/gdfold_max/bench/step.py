@@ -93,6 +93,12 @@ WINDOWS = range(1, 17)
 FLOOR_COPY_BYTES = 1 << 30
 
 
+def window_shape(shape: FoldShape, window: int) -> FoldShape:
+    """``shape`` at ``window`` tokens a request: RING_LEN = W, and W - 1 of the previous
+    step's records accepted (the one record at W = 1: plain decoding keeps every token)."""
+    return dataclasses.replace(shape, ring_len=window, accepted=max(window - 1, 1))
+
+
 def step_variants(gate: str, window: int, on_gpu: bool) -> tuple[str, ...]:
     """The graph variants timed for ``gate`` at ``window`` tokens per request: MAX's ops
     only on a GPU, and its verify and fold only at a ring length they are compiled for."""
@@ -338,7 +344,7 @@ def run_step_bench(
     batches = list(batches)
     if window is not None:
         step_variants(shape.gate, window, False)  # refuses a window outside 1 to 16
-        shape = dataclasses.replace(shape, ring_len=window, accepted=max(window - 1, 1))
+        shape = window_shape(shape, window)
     console = console or Console()
     device = device or Accelerator()
     on_gpu = device.label != "cpu"

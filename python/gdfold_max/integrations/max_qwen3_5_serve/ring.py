@@ -103,7 +103,8 @@ def read_carry(table: BufferValue, tags: TensorValue, ring_rows: TensorValue, la
     rows = ring_rows.cast(DType.uint32)
     block = rows[0] // _u32(2 * layers, device)
     loaded = ops.buffer_load(table)
-    # Gather indices as MAX documents them (int32 or int64), not the uint32 of the rows.
+    # Gather indices as MAX documents them (int32 or int64), not the uint32 of the rows (a
+    # suspect, not a proven cause, of the fused server's crash on an H100).
     entry = ops.gather(loaded, block.cast(DType.int64), axis=0)
     zero = ops.broadcast_to(_u32(0, device), block.shape)
     same = ops.logical_and(ops.equal(entry[:, TAG_LO], tags[:, 0]), ops.equal(entry[:, TAG_HI], tags[:, 1]))

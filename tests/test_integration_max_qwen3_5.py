@@ -35,7 +35,7 @@ from max.pipelines.architectures.qwen3_5.layers import gated_deltanet  # noqa: E
 from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # noqa: E402
 
 from conftest import assert_bits_equal, bits  # noqa: E402
-from gdfold_max import kernels_path, reference, state_fold  # noqa: E402
+from gdfold_max import kernels_path, reference, runner_for, state_fold  # noqa: E402
 from gdfold_max.cases import random_fold_case, random_window_case  # noqa: E402
 from gdfold_max.integrations import max_qwen3_5  # noqa: E402
 
@@ -406,10 +406,14 @@ def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray
             want = reference.recurrence(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows,
                                             offsets, num_key_heads=NK)
             assert_bits_equal(readout.to_numpy(), want, f"{tokens}-token step: the forward's readout")
-            # A pool that differs is told apart from one left as it was before the step.
+            # A pool that differs is told apart from one left as it was before the step, and
+            # our forward inside MAX's layer from the same op run alone on the same operands.
             unchanged = int(np.count_nonzero(bits(pool) == bits(before)))
+            alone = before.copy()
+            runner_for("gpu").recurrence(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), alone, rows, offsets)
+            exact_alone = bool(np.array_equal(bits(alone), bits(want_pool)))
             assert_bits_equal(pool, want_pool, f"{tokens}-token step: pool ({unchanged} of {pool.size} elements"
-                                               f" as before the step)")
+                                               f" as before the step; the op alone exact: {exact_alone})")
             checked += 1
     return outputs, pool, checked
 

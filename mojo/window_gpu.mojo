@@ -431,6 +431,114 @@ def stage_tokens[
     )
 
 
+@fieldwise_init
+struct UnitThread(ImplicitlyCopyable):
+    """A unit's place, and this thread's in it: reduction lane `lane` of columns
+    `column .. column + 3` (`tile_column` in the tile), ending each column sum with the
+    whole sum of column `column + slot`."""
+
+    var place: UnitPlace
+    var tid: Int
+    var lane: Int
+    var tile_column: Int
+    var column: Int
+    var slot: Int
+
+
+@always_inline
+def locate[COLUMN_TILE: Int, TILES: Int](block_column: Int, group_size: Int) -> UnitThread:
+    """The unit's and thread's coordinates, made from an opaque zero at the start of every
+    unit: the compiler then cannot hoist the addresses made from them out of the unit
+    loop, where they would be spilled and reloaded behind the state's stores (a reload
+    that waits for the stores to drain)."""
+    var zero = Int(
+        inlined_assembly["mov.u32 $0, 0;", UInt32, constraints="=r", has_side_effect=True]()
+    )
+    var place = place_of[COLUMN_TILE, TILES](block_column + zero, group_size)
+    var tid = Int(thread_idx.x) + zero
+    var lane = remainder[REDUCTION_LANES](tid)
+    var tile_column = quotient[REDUCTION_LANES](tid) * COLUMN_VECTOR
+    var column = place.tile_start + tile_column
+    return UnitThread(place, tid, lane, tile_column, column, column_slot(lane))
+
+
+@always_inline
+def store_state_rows[
+    ROWS: Int, //, state_dtype: DType, V: Int
+](
+    state_rows: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    values: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS],
+):
+    """Writes the held state, already in the pool's dtype, from this thread's first state
+    row (`state_rows`); its other rows are constant offsets from it."""
+    comptime for m in range(ROWS):
+        state_rows.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
+            m * REDUCTION_LANES * V, values[m]
+        )
+
+
+@always_inline
+def send_outbox[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int, RECORD: Bool, CHANNEL: Bool
+](
+    outbox: SharedFloats,
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    plan: RequestPlan,
+    chunk_start: Int,
+    count: Int,
+    record_row_base: Int,
+    tid: Int,
+    value_head: Int,
+    tile_start: Int,
+    group_slot: Int,
+    tile: Int,
+    readout_width: Int,
+    record_stride: Int,
+    group_size: Int,
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+):
+    """Sends a chunk's outbox (`count` tokens from `chunk_start`: readouts at rows 2c,
+    deltas at 2c + 1) on to the readout and, for a verify, the ring: each warp the
+    columns it wrote, so that it waits for itself alone. The records' raw keys and
+    decays come from the staged tokens (`pairs`, `scalars`; write_chunk_records)."""
+    # The block is whole warps, or one warp at most (whole_warps).
+    comptime WARP_LANES = min(WARP_THREADS, THREADS)
+    comptime WARP_COLUMNS = WARP_LANES // REDUCTION_LANES * COLUMN_VECTOR
+    comptime ROW_VECTORS = WARP_COLUMNS // COPY_FLOATS
+    var records = RECORD and not plan.commit
+    # Every row, or only the readout rows where nothing is recorded.
+    var row_step = 1 if records else 2
+    var warp_lane = remainder[WARP_LANES](tid)
+    var warp_column = quotient[WARP_LANES](tid) * WARP_COLUMNS
+    syncwarp()  # the warp's own readouts and deltas are in the outbox
+    for i in range(warp_lane, count * (2 // row_step) * ROW_VECTORS, WARP_LANES):
+        var row = quotient[ROW_VECTORS](i) * row_step
+        var in_tile = warp_column + remainder[ROW_VECTORS](i) * COPY_FLOATS
+        var c = row >> 1
+        var vector = outbox.unsafe_load[width=COPY_FLOATS, alignment=16](
+            row * COLUMN_TILE + in_tile
+        )
+        if (row & 1) == 0:
+            readout.unsafe_store[alignment=16](
+                (chunk_start + c) * readout_width + value_head * V + tile_start + in_tile,
+                vector,
+            )
+        else:
+            var record = (record_row_base + chunk_start + c - plan.start) * record_stride
+            ring.unsafe_store[alignment=16](
+                record + delta_offset[K, V](group_slot) + tile_start + in_tile, vector
+            )
+    comptime if RECORD:
+        if records and tile == 0:
+            write_chunk_records[K, V, THREADS, CHANNEL](
+                ring, (record_row_base + chunk_start - plan.start) * record_stride,
+                record_stride, count, pairs, scalars, group_size, group_slot, tid,
+                channel_decays[K](pairs),
+            )
+
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -516,26 +624,22 @@ def windows_gpu_kernel[
     var column = 0
     var slot = 0
 
-    # The unit's and thread's coordinates, set again at the start of every unit from an
-    # opaque zero: the compiler then cannot hoist the addresses made from them out of
-    # the unit loop, where they would be spilled and reloaded behind the state's stores
-    # (a reload that waits for the stores to drain).
+    # The coordinates are set again at the start of every unit (locate). Through this
+    # closure, as before: assigned in the loop itself they compile to other machine code
+    # (the window's chunk loop exits through another branch).
     @always_inline
-    def locate(block_column: Int) {mut}:
-        var zero = Int(
-            inlined_assembly["mov.u32 $0, 0;", UInt32, constraints="=r", has_side_effect=True]()
-        )
-        var place = place_of[COLUMN_TILE, TILES](block_column + zero, group_size)
-        tid = Int(thread_idx.x) + zero
-        tile = place.tile
-        value_head = place.value_head
-        key_head = place.key_head
-        group_slot = place.group_slot
-        lane = remainder[REDUCTION_LANES](tid)
-        tile_column = quotient[REDUCTION_LANES](tid) * COLUMN_VECTOR
-        tile_start = place.tile_start
-        column = tile_start + tile_column
-        slot = column_slot(lane)
+    def relocate(block_column: Int) {mut}:
+        var at = locate[COLUMN_TILE, TILES](block_column, group_size)
+        tid = at.tid
+        tile = at.place.tile
+        value_head = at.place.value_head
+        key_head = at.place.key_head
+        group_slot = at.place.group_slot
+        lane = at.lane
+        tile_column = at.tile_column
+        tile_start = at.place.tile_start
+        column = at.column
+        slot = at.slot
 
     # Shared memory. Records and tokens have two buffers: one being computed on, one
     # being filled for the next unit (the records' keys have one, see below). The state
@@ -786,7 +890,7 @@ def windows_gpu_kernel[
     start_copies(plan_of(0), place_of_unit(unit), 0, True, True)
     var step = 0  # the block's units so far
     while unit < units:
-        locate(divide(unit, block_columns)[1])
+        relocate(divide(unit, block_columns)[1])
         var here = UnitPlace(value_head, key_head, group_slot, tile, tile_start)
         var buffer = step % 2
         var plan = plan_of(buffer)
@@ -870,50 +974,6 @@ def windows_gpu_kernel[
             if (lane & 1) == 0:
                 outbox[unsafe_offset=row * COLUMN_TILE + tile_column + slot] = value
 
-        # Sends a chunk's outbox on to the readout and the ring: each warp the columns
-        # it wrote, so that it waits for itself alone; the raw keys and decays come
-        # from the staged tokens. A closure, not a function of its own: with what it
-        # captures passed as arguments the fold on load compiles to other PTX (the same
-        # instructions, other registers), and the kernel's code stays as measured.
-        @always_inline
-        def send_outbox(
-            plan: RequestPlan, chunk_start: Int, count: Int, record_row_base: Int
-        ) {imm}:
-            # The block is whole warps, or one warp at most (whole_warps).
-            comptime WARP_LANES = min(WARP_THREADS, THREADS)
-            comptime WARP_COLUMNS = WARP_LANES // REDUCTION_LANES * COLUMN_VECTOR
-            comptime ROW_VECTORS = WARP_COLUMNS // COPY_FLOATS
-            var records = RECORD and not plan.commit
-            # Every row, or only the readout rows where nothing is recorded.
-            var row_step = 1 if records else 2
-            var warp_lane = remainder[WARP_LANES](tid)
-            var warp_column = quotient[WARP_LANES](tid) * WARP_COLUMNS
-            syncwarp()  # the warp's own readouts and deltas are in the outbox
-            for i in range(warp_lane, count * (2 // row_step) * ROW_VECTORS, WARP_LANES):
-                var row = quotient[ROW_VECTORS](i) * row_step
-                var in_tile = warp_column + remainder[ROW_VECTORS](i) * COPY_FLOATS
-                var c = row >> 1
-                var vector = outbox.unsafe_load[width=COPY_FLOATS, alignment=16](
-                    row * COLUMN_TILE + in_tile
-                )
-                if (row & 1) == 0:
-                    readout.unsafe_store[alignment=16](
-                        (chunk_start + c) * readout_width + value_head * V + tile_start + in_tile,
-                        vector,
-                    )
-                else:
-                    var record = (record_row_base + chunk_start + c - plan.start) * record_stride
-                    ring.unsafe_store[alignment=16](
-                        record + delta_offset[K, V](group_slot) + tile_start + in_tile, vector
-                    )
-            comptime if RECORD:
-                if records and tile == 0:
-                    write_chunk_records[K, V, THREADS, CHANNEL](
-                        ring, (record_row_base + chunk_start - plan.start) * record_stride,
-                        record_stride, count, pairs, scalars, group_size, group_slot, tid,
-                        channel_decays[K](pairs),
-                    )
-
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
             for t in range(plan.start, plan.end):
@@ -923,14 +983,6 @@ def windows_gpu_kernel[
         # This thread's first state row; the others are constant offsets from it.
         var state_rows = state.unsafe_offset(head_state_at(plan, here) + lane * V + tile_column)
         var changed = plan.end > plan.start
-
-        # Writes the held state as the pool's dtype.
-        @always_inline
-        def store_state(values: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS]) {imm}:
-            comptime for m in range(ROWS):
-                state_rows.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
-                    m * REDUCTION_LANES * V, values[m]
-                )
 
         # 3. Fold on load: apply the previous step's accepted records, as the fold would.
         comptime if FOLD_PREVIOUS:
@@ -1003,7 +1055,7 @@ def windows_gpu_kernel[
                                 wait_bulk_copies_read()
                                 start_tile_copy(plan_of(1 - buffer), next_place)
                     else:
-                        store_state(stored)
+                        store_state_rows[state_dtype, V](state_rows, stored)
                 comptime if OUTBOX_SHARED:
                     if not stores_through_tile(plan):
                         barrier()  # every thread is done with the record keys
@@ -1037,11 +1089,15 @@ def windows_gpu_kernel[
                     post(2 * c + 1, u)
             if count > 0:
                 post(2 * (count - 1), column_sum(pending_out, lane))
-            send_outbox(plan, chunk_start, count, record_row_base)
+            send_outbox[K, V, COLUMN_TILE, THREADS, RECORD, CHANNEL](
+                outbox, readout, ring, plan, chunk_start, count, record_row_base, tid,
+                value_head, tile_start, group_slot, tile, readout_width, record_stride,
+                group_size, pairs, scalars,
+            )
 
         # 5. A forward, or a window too long for the ring, commits the state.
         if plan.commit and changed:
-            store_state(rounded_to[state_dtype](held))
+            store_state_rows[state_dtype, V](state_rows, rounded_to[state_dtype](held))
 
     # The last folded tile may still be leaving shared memory as tensor boxes (3.): the
     # block keeps its shared memory until the copy engine has read the tile.

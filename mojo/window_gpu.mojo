@@ -539,6 +539,101 @@ def send_outbox[
             )
 
 
+@always_inline
+def post[
+    COLUMN_TILE: Int
+](outbox: SharedFloats, row: Int, value: Float32, lane: Int, tile_column: Int, slot: Int):
+    """One lane of each column leaves its value in outbox row `row` (token c's readout at
+    row 2c, its delta at 2c + 1)."""
+    if (lane & 1) == 0:
+        outbox[unsafe_offset=row * COLUMN_TILE + tile_column + slot] = value
+
+
+@always_inline
+def window_chunk_tokens[
+    ROWS: Int, //, K: Int, COLUMN_TILE: Int, RECORD: Bool, CHANNEL: Bool
+](
+    mut held: Array[Columns, ROWS],
+    outbox: SharedFloats,
+    scalars: SharedFloats,
+    keys: SharedFloats,
+    queries: SharedFloats,
+    values: SharedFloats,
+    count: Int,
+    lane: Int,
+    tile_column: Int,
+    slot: Int,
+):
+    """The window's `count` staged tokens on the held tile (tile_token), their readouts
+    and, for a verify, their deltas left in the outbox for send_outbox."""
+    # The readout sums of token c are finished while token c + 1 computes: their
+    # shuffles then overlap its arithmetic instead of stalling the warp.
+    var pending_out = Columns(0.0)
+    for c in range(count):
+        var readout_and_delta = tile_token[K, CHANNEL](
+            held, pending_out, scalars, keys, queries, values, c,
+            c * COLUMN_TILE + tile_column + slot, lane, lane_major_decays[K](keys),
+        )
+        var previous_o = readout_and_delta[0]
+        var u = readout_and_delta[1]
+        if c > 0:
+            post[COLUMN_TILE](outbox, 2 * (c - 1), previous_o, lane, tile_column, slot)
+        comptime if RECORD:
+            post[COLUMN_TILE](outbox, 2 * c + 1, u, lane, tile_column, slot)
+    if count > 0:
+        post[COLUMN_TILE](
+            outbox, 2 * (count - 1), column_sum(pending_out, lane), lane, tile_column, slot
+        )
+
+@always_inline
+def stage_first_chunk[
+    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
+](
+    plan: RequestPlan,
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+    queries: SharedFloats,
+    keys: SharedFloats,
+    arrived_record_keys: SharedFloats,
+    record_keys: SharedFloats,
+    first_count: Int,
+    tid: Int,
+):
+    """Puts a unit's first chunk of tokens (`first_count`, copied by start_copies) and,
+    in a fold on load, its first chunk of records in lane-major order, with the tokens'
+    norms (stage_lane_major). The block's threads call it together."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    var first_records = 0
+    comptime if FOLD_PREVIOUS:
+        first_records = min(WINDOW_CHUNK, plan.accepted)
+    if first_count > 0 or first_records > 0:
+        stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
+            pairs, queries, keys, first_count, scalars,
+            arrived_record_keys, record_keys, first_records, tid,
+            channel_decays[K](pairs), lane_major_decays[K](keys),
+            record_channel_decays[K](arrived_record_keys), lane_major_decays[K](record_keys),
+        )
+
+@always_inline
+def load_staged_tile[
+    ROWS: Int, //, state_dtype: DType, K: Int, COLUMN_TILE: Int
+](
+    mut held: Array[Columns, ROWS],
+    state_tile: Pointer[
+        Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
+    ],
+    lane: Int,
+    tile_column: Int,
+):
+    """Moves this thread's rows of the staged state tile to `held`, widened to fp32:
+    held[m] is state row m * 8 + lane of the thread's four columns."""
+    comptime for m in range(ROWS):
+        held[m] = state_tile.unsafe_load[
+            width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
+        ](
+            staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column)
+        ).cast[DType.float32]()
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -919,24 +1014,11 @@ def windows_gpu_kernel[
         # held[m] is state row m * 8 + lane of the thread's four columns.
         var held = Array[Columns, ROWS](fill=0.0)
         if plan.runs:
-            var first_records = 0
-            comptime if FOLD_PREVIOUS:
-                first_records = min(CHUNK, plan.accepted)
-            if first_count > 0 or first_records > 0:
-                stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
-                    pairs, queries, keys, first_count, scalars,
-                    arrived_record_keys, record_keys, first_records, tid,
-                    channel_decays[K](pairs), lane_major_decays[K](keys),
-                    record_channel_decays[K](arrived_record_keys), lane_major_decays[K](record_keys),
-                )
-            comptime for m in range(ROWS):
-                held[m] = state_tile.unsafe_load[
-                    width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
-                ](
-                    staged_at[state_dtype, K, COLUMN_TILE](
-                        m * REDUCTION_LANES + lane, tile_column
-                    )
-                ).cast[DType.float32]()
+            stage_first_chunk[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
+                plan, pairs, scalars, queries, keys, arrived_record_keys, record_keys,
+                first_count, tid,
+            )
+            load_staged_tile[state_dtype, K, COLUMN_TILE](held, state_tile, lane, tile_column)
         write_ids(1 - buffer, next_ids)  # every thread has read that slot's last plan
         if tid == unit_claimer[THREADS]():
             unit_ids[unsafe_offset=buffer] = after_next  # every thread has read this unit's id
@@ -966,13 +1048,6 @@ def windows_gpu_kernel[
         def store_readout(token: Int, o: Float32) {imm}:
             if (lane & 1) == 0:
                 readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
-
-        # One lane of each column leaves its value in outbox row `row` (token c's
-        # readout at row 2c, its delta at 2c + 1).
-        @always_inline
-        def post(row: Int, value: Float32) {imm}:
-            if (lane & 1) == 0:
-                outbox[unsafe_offset=row * COLUMN_TILE + tile_column + slot] = value
 
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
@@ -1073,22 +1148,9 @@ def windows_gpu_kernel[
                     lane_major_decays[K](keys),
                 )
                 barrier()
-            # The readout sums of token c are finished while token c + 1 computes: their
-            # shuffles then overlap its arithmetic instead of stalling the warp.
-            var pending_out = Columns(0.0)
-            for c in range(count):
-                var readout_and_delta = tile_token[K, CHANNEL](
-                    held, pending_out, scalars, keys, queries, values, c,
-                    c * COLUMN_TILE + tile_column + slot, lane, lane_major_decays[K](keys),
-                )
-                var previous_o = readout_and_delta[0]
-                var u = readout_and_delta[1]
-                if c > 0:
-                    post(2 * (c - 1), previous_o)
-                comptime if RECORD:
-                    post(2 * c + 1, u)
-            if count > 0:
-                post(2 * (count - 1), column_sum(pending_out, lane))
+            window_chunk_tokens[K, COLUMN_TILE, RECORD, CHANNEL](
+                held, outbox, scalars, keys, queries, values, count, lane, tile_column, slot
+            )
             send_outbox[K, V, COLUMN_TILE, THREADS, RECORD, CHANNEL](
                 outbox, readout, ring, plan, chunk_start, count, record_row_base, tid,
                 value_head, tile_start, group_slot, tile, readout_width, record_stride,

@@ -634,6 +634,58 @@ def load_staged_tile[
             staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column)
         ).cast[DType.float32]()
 
+@always_inline
+def stores_through_tile[
+    state_dtype: DType, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
+](plan: RequestPlan) -> Bool:
+    """Whether the request's folded state leaves through the staged tile as tensor boxes:
+    the next unit's tile then comes in once they have read it."""
+    comptime if FOLD_PREVIOUS and tile_in_boxes[state_dtype, COLUMN_TILE]():
+        return plan.runs and plan.accepted > 0 and not plan.commit
+    return False
+
+
+@always_inline
+def folds_in_chunks[FOLD_PREVIOUS: Bool](plan: RequestPlan) -> Bool:
+    """Whether a unit folds its records in more than one chunk: those chunks pass through
+    the keys' one buffer, so the next unit's records are copied after its fold."""
+    comptime if FOLD_PREVIOUS:
+        return plan.runs and plan.accepted > WINDOW_CHUNK
+    return False
+
+@always_inline
+def request_of(unit: Int, block_columns: Int) -> Int:
+    """The request of unit `unit` (window_gpu_staging.mojo: request u // block_columns)."""
+    return divide(unit, block_columns)[0]
+
+
+@always_inline
+def place_of_unit[
+    COLUMN_TILE: Int, TILES: Int
+](unit: Int, block_columns: Int, group_size: Int) -> UnitPlace:
+    """The place of unit `unit`'s column block (u % block_columns)."""
+    return place_of[COLUMN_TILE, TILES](divide(unit, block_columns)[1], group_size)
+
+@always_inline
+def poison_readout[
+    V: Int
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    plan: RequestPlan,
+    readout_width: Int,
+    value_head: Int,
+    column: Int,
+    slot: Int,
+    lane: Int,
+):
+    """Makes a request's readout loudly invalid (NaN) where an id is out of bounds: one
+    lane of each column writes it."""
+    for t in range(plan.start, plan.end):
+        if (lane & 1) == 0:
+            readout[unsafe_offset=t * readout_width + value_head * V + column + slot] = nan[
+                DType.float32
+            ]()
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -817,20 +869,12 @@ def windows_gpu_kernel[
     var claims = claims_i32 != 0
     var field = plan_field_reader[THREADS](tid)
 
-    @always_inline
-    def request_of(any_unit: Int) {imm} -> Int:
-        return divide(any_unit, block_columns)[0]
-
-    @always_inline
-    def place_of_unit(any_unit: Int) {imm} -> UnitPlace:
-        return place_of[COLUMN_TILE, TILES](divide(any_unit, block_columns)[1], group_size)
-
     # Reads this thread's field of the ids of `any_unit`'s request (0 when it reads none).
     @always_inline
     def read_ids(any_unit: Int) {imm} -> UInt32:
         if field >= 0 and any_unit < units:
             return read_plan_field[RECORD, FOLD_PREVIOUS](
-                field, request_of(any_unit), row_ids, ring_row_ids, offsets,
+                field, request_of(any_unit, block_columns), row_ids, ring_row_ids, offsets,
                 previous_ring_row_ids, previous_accepted,
             )
         return 0
@@ -870,14 +914,6 @@ def windows_gpu_kernel[
     @always_inline
     def head_state_at(plan: RequestPlan, place: UnitPlace) {imm} -> Int:
         return plan.row * row_elements + place.value_head * K * V + place.tile_start
-
-    # Whether the request's folded state leaves through the staged tile as tensor boxes:
-    # the next unit's tile then comes in once they have read it.
-    @always_inline
-    def stores_through_tile(plan: RequestPlan) {imm} -> Bool:
-        comptime if FOLD_PREVIOUS and BOXED_TILE:
-            return plan.runs and plan.accepted > 0 and not plan.commit
-        return False
 
     # Starts copying a unit's state tile into the staged tile.
     @always_inline
@@ -924,14 +960,6 @@ def windows_gpu_kernel[
                         place.group_slot, place.tile_start, tid,
                     )
 
-    # Whether a unit folds its records in more than one chunk: those chunks pass through
-    # the keys' one buffer, so the next unit's records are copied after its fold.
-    @always_inline
-    def folds_in_chunks(plan: RequestPlan) {imm} -> Bool:
-        comptime if FOLD_PREVIOUS:
-            return plan.runs and plan.accepted > CHUNK
-        return False
-
     # Starts every copy a unit needs first, into buffer `buffer`; the state tile's only
     # when `with_tile`, the records' only when `with_records`.
     @always_inline
@@ -961,9 +989,11 @@ def windows_gpu_kernel[
     if dependent_i32 != 0:
         comptime if BOXED_TILE:
             if tid == 0:
-                var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit))))
+                var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit, block_columns))))
                 if hinted_row < num_rows:
-                    var first_place = place_of_unit(unit)
+                    var first_place = place_of_unit[COLUMN_TILE, TILES](
+                        unit, block_columns, group_size
+                    )
                     prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
                         state_map_at,
                         (hinted_row * num_value_heads + first_place.value_head) * K,
@@ -982,7 +1012,10 @@ def windows_gpu_kernel[
         if tid == 0:
             init_barrier(tile_arrived)
     barrier()
-    start_copies(plan_of(0), place_of_unit(unit), 0, True, True)
+    start_copies(
+        plan_of(0), place_of_unit[COLUMN_TILE, TILES](unit, block_columns, group_size), 0,
+        True, True,
+    )
     var step = 0  # the block's units so far
     while unit < units:
         relocate(divide(unit, block_columns)[1])
@@ -1026,33 +1059,26 @@ def windows_gpu_kernel[
 
         # 2. The next unit's copies run while this one computes. Its state tile waits
         #    until this unit's folded state has left the staged tile (3.).
-        var next_place = place_of_unit(next)
+        var next_place = place_of_unit[COLUMN_TILE, TILES](next, block_columns, group_size)
         if next < units:
             var next_plan = plan_of(1 - buffer)
             start_copies(
-                next_plan, next_place, 1 - buffer, not stores_through_tile(plan),
-                not folds_in_chunks(plan),
+                next_plan, next_place, 1 - buffer, not stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan),
+                not folds_in_chunks[FOLD_PREVIOUS](plan),
             )
             # Its tile is copied in only after the fold (3.), but L2 can fetch it now,
             # while the block folds and stores: the copy then finds it there (4.5% off
             # a layer at batch 64). Fetching the tile after it instead is slower than
             # no fetch at all: L2 then seems to drop tiles before their copies come.
             comptime if BOXED_TILE:
-                if tid == 0 and next_plan.runs and stores_through_tile(plan):
+                if tid == 0 and next_plan.runs and stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan):
                     prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
                         state_map_at, head_row(next_plan, next_place), next_place.tile_start
                     )
 
-        # One lane of each column writes its readout.
-        @always_inline
-        def store_readout(token: Int, o: Float32) {imm}:
-            if (lane & 1) == 0:
-                readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
-
         if plan.poisoned:
             # Never follow an id out of bounds; make the request's readout loudly invalid.
-            for t in range(plan.start, plan.end):
-                store_readout(t, nan[DType.float32]())
+            poison_readout[V](readout, plan, readout_width, value_head, column, slot, lane)
         if not plan.runs:
             continue
         # This thread's first state row; the others are constant offsets from it.
@@ -1096,7 +1122,7 @@ def windows_gpu_kernel[
                         held, record_keys, rdeltas, rdecays, count, tile_column, lane,
                         lane_major_decays[K](record_keys),
                     )
-                if folds_in_chunks(plan) and next < units:
+                if folds_in_chunks[FOLD_PREVIOUS](plan) and next < units:
                     # The last chunk's keys are in lane-major order: the keys' buffer is
                     # free for the next unit's.
                     start_record_copies(plan_of(1 - buffer), next_place, 1 - buffer)
@@ -1132,7 +1158,7 @@ def windows_gpu_kernel[
                     else:
                         store_state_rows[state_dtype, V](state_rows, stored)
                 comptime if OUTBOX_SHARED:
-                    if not stores_through_tile(plan):
+                    if not stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan):
                         barrier()  # every thread is done with the record keys
 
         # 4. The window, WINDOW_CHUNK tokens at a time.

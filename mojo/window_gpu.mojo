@@ -686,6 +686,103 @@ def poison_readout[
                 DType.float32
             ]()
 
+@always_inline
+def hint_first_tile[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int, TILES: Int
+](
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    unit: Int,
+    block_columns: Int,
+    group_size: Int,
+    num_rows: Int,
+    num_value_heads: Int,
+    state_map_at: UInt64,
+):
+    """Asks L2 for the state tile of the block's first unit at the row the ids name now
+    (one thread, before the wait for the kernel before)."""
+    var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit, block_columns))))
+    if hinted_row < num_rows:
+        var first_place = place_of_unit[COLUMN_TILE, TILES](unit, block_columns, group_size)
+        prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+            state_map_at,
+            (hinted_row * num_value_heads + first_place.value_head) * K,
+            first_place.tile_start,
+        )
+
+@always_inline
+def stage_folded_tile[
+    ROWS: Int, //, state_dtype: DType, K: Int, COLUMN_TILE: Int
+](
+    state_tile: Pointer[
+        Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
+    ],
+    stored: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS],
+    lane: Int,
+    tile_column: Int,
+):
+    """Puts the folded state back where it was staged from, for the copy engine to take
+    out as tensor boxes; the block's threads call it together."""
+    comptime for m in range(ROWS):
+        state_tile.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
+            staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column),
+            stored[m],
+        )
+    shared_writes_visible_to_bulk_copies()
+    barrier()
+
+@always_inline
+def copy_record_chunk[
+    K: Int, V: Int, COLUMN_TILE: Int, CHANNEL: Bool
+](
+    arrived_keys: SharedFloats,
+    deltas: SharedFloats,
+    decays: SharedFloats,
+    ring: Pointer[Float32, MutAnyOrigin],
+    first: Int,
+    count: Int,
+    record_stride: Int,
+    group_size: Int,
+    group_slot: Int,
+    tile_start: Int,
+    tid: Int,
+):
+    """Starts the copies of a later chunk of a fold on load's records (`count` from the
+    one at `first` in the ring): keys as they are into `arrived_keys`, the tile's deltas,
+    and the decays (per-channel, K of each after the keys, record_channel_decays)."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    comptime if CHANNEL:
+        copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
+            arrived_keys, deltas, record_channel_decays[K](arrived_keys), ring, first, count,
+            record_stride, group_size, group_slot, tile_start, tid,
+        )
+    else:
+        copy_records_async[K, V, COLUMN_TILE, THREADS](
+            arrived_keys, deltas, decays, ring, first, count, record_stride, group_size,
+            group_slot, tile_start, tid,
+        )
+
+@always_inline
+def stage_record_keys[
+    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
+](
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+    queries: SharedFloats,
+    keys: SharedFloats,
+    arrived_keys: SharedFloats,
+    record_keys: SharedFloats,
+    count: Int,
+    tid: Int,
+):
+    """Puts a later chunk of `count` records' keys (per-channel, also their decays) in
+    lane-major order; no tokens (the window's first chunk stays staged)."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
+        pairs, queries, keys, 0, scalars, arrived_keys, record_keys, count, tid,
+        channel_decays[K](pairs), lane_major_decays[K](keys),
+        record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
+    )
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -989,16 +1086,10 @@ def windows_gpu_kernel[
     if dependent_i32 != 0:
         comptime if BOXED_TILE:
             if tid == 0:
-                var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit, block_columns))))
-                if hinted_row < num_rows:
-                    var first_place = place_of_unit[COLUMN_TILE, TILES](
-                        unit, block_columns, group_size
-                    )
-                    prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
-                        state_map_at,
-                        (hinted_row * num_value_heads + first_place.value_head) * K,
-                        first_place.tile_start,
-                    )
+                hint_first_tile[state_dtype, K, COLUMN_TILE, TILES](
+                    row_ids, unit, block_columns, group_size, num_rows, num_value_heads,
+                    state_map_at,
+                )
         wait_for_previous_grid()
         # Every block of this kernel has started: the next kernel's blocks may take the
         # SM room left and give their own hints.
@@ -1097,25 +1188,16 @@ def windows_gpu_kernel[
                     var count = min(CHUNK, plan.accepted - chunk_start)
                     if chunk_start > 0:
                         barrier()  # done with the previous chunk of records
-                        comptime if CHANNEL:
-                            copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
-                                arrived_keys, rdeltas, record_channel_decays[K](arrived_keys), ring,
-                                record_row + chunk_start * record_stride, count,
-                                record_stride, group_size, group_slot, tile_start, tid,
-                            )
-                        else:
-                            copy_records_async[K, V, COLUMN_TILE, THREADS](
-                                arrived_keys, rdeltas, rdecays, ring,
-                                record_row + chunk_start * record_stride, count,
-                                record_stride, group_size, group_slot, tile_start, tid,
-                            )
+                        copy_record_chunk[K, V, COLUMN_TILE, CHANNEL](
+                            arrived_keys, rdeltas, rdecays, ring,
+                            record_row + chunk_start * record_stride, count, record_stride,
+                            group_size, group_slot, tile_start, tid,
+                        )
                         async_copy_commit_group()
                         async_copy_wait_all()
                         barrier()
-                        stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
-                            pairs, queries, keys, 0, scalars, arrived_keys, record_keys,
-                            count, tid, channel_decays[K](pairs), lane_major_decays[K](keys),
-                            record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
+                        stage_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
+                            pairs, scalars, queries, keys, arrived_keys, record_keys, count, tid
                         )
                         barrier()
                     fold_staged_records[K, COLUMN_TILE, CHANNEL](
@@ -1132,17 +1214,9 @@ def windows_gpu_kernel[
                 if not plan.commit:
                     comptime if BOXED_TILE:
                         # Back where it was staged from, then out as tensor boxes.
-                        comptime for m in range(ROWS):
-                            state_tile.unsafe_store[
-                                alignment=COLUMN_VECTOR * size_of[state_dtype]()
-                            ](
-                                staged_at[state_dtype, K, COLUMN_TILE](
-                                    m * REDUCTION_LANES + lane, tile_column
-                                ),
-                                stored[m],
-                            )
-                        shared_writes_visible_to_bulk_copies()
-                        barrier()
+                        stage_folded_tile[state_dtype, K, COLUMN_TILE](
+                            state_tile, stored, lane, tile_column
+                        )
                         # One thread moves the whole tile out, then the next one in
                         # as soon as the copy engine has read it. After the block's
                         # last unit nothing needs the tile: the thread goes on to the

@@ -783,6 +783,67 @@ def stage_record_keys[
         record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
     )
 
+@always_inline
+def run_window[
+    ROWS: Int, //,
+    K: Int,
+    V: Int,
+    COLUMN_TILE: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+    CHANNEL: Bool,
+](
+    mut held: Array[Columns, ROWS],
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    pairs: SharedFloats,
+    values: SharedFloats,
+    scalars: SharedFloats,
+    queries: SharedFloats,
+    keys: SharedFloats,
+    record_keys: SharedFloats,
+    outbox: SharedFloats,
+    plan: RequestPlan,
+    record_row_base: Int,
+    num_key_heads: Int,
+    num_value_heads: Int,
+    readout_width: Int,
+    record_stride: Int,
+    group_size: Int,
+    place: UnitPlace,
+    tid: Int,
+    lane: Int,
+    tile_column: Int,
+    slot: Int,
+):
+    """4. The window on the held tile, WINDOW_CHUNK tokens at a time: the first chunk as
+    the unit staged it (1.), each later one staged here into the same buffers. A chunk's
+    readouts and deltas leave through the outbox (send_outbox) once its tokens are done.
+    The block's threads call it together."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    for chunk_start in range(plan.start, plan.end, WINDOW_CHUNK):
+        var count = min(WINDOW_CHUNK, plan.end - chunk_start)
+        if chunk_start > plan.start:
+            barrier()  # done with the previous chunk of tokens and its norms
+            stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
+                pairs, values, scalars, queries, keys, record_keys, qkv, decay, beta,
+                chunk_start, count, num_key_heads, place.key_head, num_value_heads,
+                place.value_head, place.tile_start, tid, channel_decays[K](pairs),
+                lane_major_decays[K](keys),
+            )
+            barrier()
+        window_chunk_tokens[K, COLUMN_TILE, RECORD, CHANNEL](
+            held, outbox, scalars, keys, queries, values, count, lane, tile_column, slot
+        )
+        send_outbox[K, V, COLUMN_TILE, THREADS, RECORD, CHANNEL](
+            outbox, readout, ring, plan, chunk_start, count, record_row_base, tid,
+            place.value_head, place.tile_start, place.group_slot, place.tile, readout_width,
+            record_stride, group_size, pairs, scalars,
+        )
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -1237,25 +1298,11 @@ def windows_gpu_kernel[
 
         # 4. The window, WINDOW_CHUNK tokens at a time.
         var record_row_base = (plan.ring_row * num_key_heads + key_head) * RING_LEN
-        for chunk_start in range(plan.start, plan.end, CHUNK):
-            var count = min(CHUNK, plan.end - chunk_start)
-            if chunk_start > plan.start:
-                barrier()  # done with the previous chunk of tokens and its norms
-                stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
-                    pairs, values, scalars, queries, keys, record_keys, qkv, decay, beta,
-                    chunk_start, count, num_key_heads, key_head, num_value_heads,
-                    value_head, tile_start, tid, channel_decays[K](pairs),
-                    lane_major_decays[K](keys),
-                )
-                barrier()
-            window_chunk_tokens[K, COLUMN_TILE, RECORD, CHANNEL](
-                held, outbox, scalars, keys, queries, values, count, lane, tile_column, slot
-            )
-            send_outbox[K, V, COLUMN_TILE, THREADS, RECORD, CHANNEL](
-                outbox, readout, ring, plan, chunk_start, count, record_row_base, tid,
-                value_head, tile_start, group_slot, tile, readout_width, record_stride,
-                group_size, pairs, scalars,
-            )
+        run_window[K, V, COLUMN_TILE, RECORD, FOLD_PREVIOUS, CHANNEL](
+            held, readout, ring, qkv, decay, beta, pairs, values, scalars, queries, keys,
+            record_keys, outbox, plan, record_row_base, num_key_heads, num_value_heads,
+            readout_width, record_stride, group_size, here, tid, lane, tile_column, slot,
+        )
 
         # 5. A forward, or a window too long for the ring, commits the state.
         if plan.commit and changed:

@@ -79,6 +79,7 @@ from .window_gpu_staging import (
     PLAN_FIELDS,
     PLAN_SLOTS,
     SharedFloats,
+    SharedUInts,
     TOKEN_SCALARS,
     WINDOW_CHUNK,
     copy_channel_records_async,
@@ -844,6 +845,40 @@ def run_window[
             record_stride, group_size, pairs, scalars,
         )
 
+@always_inline
+def read_unit_ids[
+    RECORD: Bool, FOLD_PREVIOUS: Bool
+](
+    field: Int,
+    unit: Int,
+    units: Int,
+    block_columns: Int,
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+) -> UInt32:
+    """This thread's field (plan_field_reader) of the ids of `unit`'s request; 0 when it
+    reads none."""
+    if field >= 0 and unit < units:
+        return read_plan_field[RECORD, FOLD_PREVIOUS](
+            field, request_of(unit, block_columns), row_ids, ring_row_ids, offsets,
+            previous_ring_row_ids, previous_accepted,
+        )
+    return 0
+
+
+@always_inline
+def claim_after(
+    claims: Bool, grid_blocks: Int, unit_counter: Pointer[UInt32, MutAnyOrigin], previous: Int
+) -> UInt32:
+    """The block's unit after its second: claimed from the counter, or without one (a
+    launch whose blocks run at most two units each) the unit a grid after `previous`."""
+    if claims:
+        return UInt32(2 * grid_blocks) + claim_unit(unit_counter)
+    return UInt32(previous + grid_blocks)
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -1027,28 +1062,10 @@ def windows_gpu_kernel[
     var claims = claims_i32 != 0
     var field = plan_field_reader[THREADS](tid)
 
-    # Reads this thread's field of the ids of `any_unit`'s request (0 when it reads none).
-    @always_inline
-    def read_ids(any_unit: Int) {imm} -> UInt32:
-        if field >= 0 and any_unit < units:
-            return read_plan_field[RECORD, FOLD_PREVIOUS](
-                field, request_of(any_unit, block_columns), row_ids, ring_row_ids, offsets,
-                previous_ring_row_ids, previous_accepted,
-            )
-        return 0
-
     @always_inline
     def write_ids(slot: Int, value: UInt32) {imm}:
         if field >= 0:
             plan_ids[unsafe_offset=field * PLAN_SLOTS + slot] = value
-
-    # The block's unit after its second: claimed from the counter, or without one (a
-    # launch whose blocks run at most two units each) the unit a grid after `previous`.
-    @always_inline
-    def claim(previous: Int) {imm} -> UInt32:
-        if claims:
-            return UInt32(2 * grid_blocks) + claim_unit(unit_counter)
-        return UInt32(previous + grid_blocks)
 
     @always_inline
     def plan_of(slot: Int) {imm} -> RequestPlan:
@@ -1157,7 +1174,13 @@ def windows_gpu_kernel[
         release_next_grid()
 
     # The first unit's ids, and the second unit, which no block has to wait to claim.
-    write_ids(0, read_ids(unit))
+    write_ids(
+        0,
+        read_unit_ids[RECORD, FOLD_PREVIOUS](
+            field, unit, units, block_columns, row_ids, ring_row_ids, offsets,
+            previous_ring_row_ids, previous_accepted,
+        ),
+    )
     if tid == unit_claimer[THREADS]():
         unit_ids[unsafe_offset=1] = UInt32(unit + grid_blocks)
     comptime if BOXED_TILE:
@@ -1179,10 +1202,13 @@ def windows_gpu_kernel[
         step += 1
         # The next unit's ids, and the claim of the one after it, are read now and
         # written to shared memory at the end of 1., once they have arrived.
-        var next_ids = read_ids(next)
+        var next_ids = read_unit_ids[RECORD, FOLD_PREVIOUS](
+            field, next, units, block_columns, row_ids, ring_row_ids, offsets,
+            previous_ring_row_ids, previous_accepted,
+        )
         var after_next = UInt32(units)
         if tid == unit_claimer[THREADS]() and next < units:
-            after_next = claim(next)
+            after_next = claim_after(claims, grid_blocks, unit_counter, next)
         var pairs = token_pairs.unsafe_offset(buffer * CHUNK * PAIR_ROWS * NATURAL)
         var values = token_values.unsafe_offset(buffer * CHUNK * COLUMN_TILE)
         var scalars = token_scalars.unsafe_offset(buffer * CHUNK * TOKEN_SCALARS)

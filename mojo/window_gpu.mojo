@@ -55,6 +55,7 @@ from std.utils.numerics import nan
 
 from .bulk_copy import (
     SWIZZLE_ALIGNMENT,
+    SharedBarrier,
     arrive_expecting_bytes,
     init_barrier,
     shared_writes_visible_to_bulk_copies,
@@ -879,6 +880,117 @@ def claim_after(
         return UInt32(2 * grid_blocks) + claim_unit(unit_counter)
     return UInt32(previous + grid_blocks)
 
+@always_inline
+def wait_for_unit[
+    state_dtype: DType, COLUMN_TILE: Int
+](plan: RequestPlan, tile_arrived: SharedBarrier, mut tile_phase: Int):
+    """1. The unit's copies have landed, for every thread (the tensor boxes of its state
+    tile too: `tile_phase` is the phase of `tile_arrived` they complete); the block is
+    done with the previous unit."""
+    async_copy_wait_all()
+    comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+        if plan.runs:
+            wait_phase(tile_arrived, tile_phase)
+            tile_phase ^= 1
+    barrier()
+
+struct ThroughputShared[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
+](ImplicitlyCopyable):
+    """The throughput kernel's shared memory, per block. Records and tokens have two
+    buffers: one being computed on, one being filled for the next unit (the records' keys
+    have one, see below). The state tile has one, in dynamic shared memory
+    (window_tile_bytes): it is moved to registers, and a folded state has left it, before
+    the next unit's tile is copied in.
+
+    Records and tokens land as they are, 16 bytes per copy; q and k, and the records'
+    keys, are then put in lane-major order once per unit (stage_lane_major), where the
+    norms also turn q into q / |q| / sqrt(K).
+
+    Per-channel gates (CHANNEL) add K decays per token and per record, each buffer of
+    them right after the keys' buffer it goes with (channel_decays): a token's as they
+    arrive after its chunk's q and k pairs, lane-major after the lane-major keys; a
+    record's as they arrive after the arrived record keys (record_channel_decays),
+    lane-major after the lane-major record keys (lane_major_decays). Each decay address
+    is then a constant offset from a key address the kernel holds anyway: a register of
+    its own for them made the verify spill. Without CHANNEL, MULTIPLE is 1 and the
+    buffers are as they were."""
+
+    comptime CHUNK = WINDOW_CHUNK
+    comptime NATURAL = natural_pitch[Self.K]()
+    comptime LANE_MAJOR = lane_major_floats[Self.K]()
+    comptime ARRIVED_RECORD_KEYS = Self.CHUNK * Self.NATURAL if Self.FOLD_PREVIOUS else 0
+    comptime RECORD_DELTAS = Self.CHUNK * Self.COLUMN_TILE if Self.FOLD_PREVIOUS else 0
+    comptime RECORD_DECAYS = Self.CHUNK if Self.FOLD_PREVIOUS else 0
+    comptime MULTIPLE = 2 if Self.CHANNEL else 1
+    # Rows per token in a buffer of arriving tokens: q and k, and per-channel the decays.
+    comptime PAIR_ROWS = 3 if Self.CHANNEL else 2
+    comptime OUTBOX_FLOATS = OUTBOX_ROWS_PER_TOKEN * Self.CHUNK * Self.COLUMN_TILE
+    comptime OUTBOX_SHARED = outbox_in_record_keys[Self.K, Self.COLUMN_TILE, Self.FOLD_PREVIOUS]()
+    comptime StateTile = Pointer[
+        Scalar[Self.state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
+    ]
+
+    var state_tile: Self.StateTile
+    # One buffer of record keys as they arrive: a unit's are put in lane-major order
+    # before the next unit's are copied in (see start_copies).
+    var arrived_record_keys: SharedFloats
+    var record_keys: SharedFloats
+    var record_deltas: SharedFloats
+    var record_decays: SharedFloats
+    var token_pairs: SharedFloats
+    var queries: SharedFloats
+    var keys: SharedFloats
+    var token_values: SharedFloats
+    var token_scalars: SharedFloats
+    # A chunk's readout rows and delta rows (token c's at rows 2c and 2c + 1) wait here
+    # until the chunk's tokens are done, then leave as 16-byte stores: the token loop
+    # then holds no global addresses (registers go to the state). In a fold on load
+    # they share the lane-major record keys' buffer, which the window does not use.
+    var outbox: SharedFloats
+    var plan_ids: SharedUInts
+    # unit_ids[k % 2] holds the block's k-th unit from the moment it is known.
+    var unit_ids: SharedUInts
+    var tile_arrived: SharedBarrier
+
+    @always_inline
+    def __init__(out self):
+        """Allocates the block's shared memory."""
+        var state_tile = external_memory[
+            Scalar[Self.state_dtype], address_space=AddressSpace.SHARED, alignment=16
+        ]()
+        comptime if tile_in_boxes[Self.state_dtype, Self.COLUMN_TILE]():
+            # Swizzled boxes start on the swizzle's alignment.
+            state_tile = state_tile.unsafe_offset(
+                (SWIZZLE_ALIGNMENT - Int(state_tile) % SWIZZLE_ALIGNMENT)
+                % SWIZZLE_ALIGNMENT
+                // size_of[Self.state_dtype]()
+            )
+        self.state_tile = state_tile
+        self.arrived_record_keys = shared_floats[Self.MULTIPLE * Self.ARRIVED_RECORD_KEYS + 4]()
+        self.record_keys = shared_floats[
+            (Self.MULTIPLE * Self.CHUNK * Self.LANE_MAJOR if Self.FOLD_PREVIOUS else 0) + 4
+        ]()
+        self.record_deltas = shared_floats[2 * Self.RECORD_DELTAS + 4]()
+        self.record_decays = shared_floats[2 * Self.RECORD_DECAYS + 4]()
+        self.token_pairs = shared_floats[2 * Self.CHUNK * Self.PAIR_ROWS * Self.NATURAL]()
+        self.queries = shared_floats[Self.CHUNK * Self.LANE_MAJOR]()
+        self.keys = shared_floats[Self.MULTIPLE * Self.CHUNK * Self.LANE_MAJOR]()
+        self.token_values = shared_floats[2 * Self.CHUNK * Self.COLUMN_TILE]()
+        self.token_scalars = shared_floats[2 * Self.CHUNK * TOKEN_SCALARS]()
+        self.outbox = shared_floats[(0 if Self.OUTBOX_SHARED else Self.OUTBOX_FLOATS) + 4]()
+        comptime if Self.OUTBOX_SHARED:
+            self.outbox = self.record_keys
+        self.plan_ids = stack_allocation[
+            PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
+        ]()
+        self.unit_ids = stack_allocation[
+            PLAN_SLOTS, DType.uint32, alignment=8, address_space=AddressSpace.SHARED
+        ]()
+        self.tile_arrived = stack_allocation[
+            1, DType.uint64, alignment=8, address_space=AddressSpace.SHARED
+        ]()
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -981,71 +1093,30 @@ def windows_gpu_kernel[
         column = at.column
         slot = at.slot
 
-    # Shared memory. Records and tokens have two buffers: one being computed on, one
-    # being filled for the next unit (the records' keys have one, see below). The state
-    # tile has one, in dynamic shared memory (window_tile_bytes): it is moved to
-    # registers, and a folded state has left it, before the next unit's tile is copied in.
-    var state_tile = external_memory[
-        Scalar[state_dtype], address_space=AddressSpace.SHARED, alignment=16
-    ]()
+    comptime Shared = ThroughputShared[state_dtype, K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL]
     comptime BOXED_TILE = tile_in_boxes[state_dtype, COLUMN_TILE]()
-    comptime if BOXED_TILE:  # swizzled boxes start on the swizzle's alignment
-        state_tile = state_tile.unsafe_offset(
-            (SWIZZLE_ALIGNMENT - Int(state_tile) % SWIZZLE_ALIGNMENT)
-            % SWIZZLE_ALIGNMENT
-            // size_of[state_dtype]()
-        )
+    comptime NATURAL = Shared.NATURAL
+    comptime RECORD_DELTAS = Shared.RECORD_DELTAS
+    comptime RECORD_DECAYS = Shared.RECORD_DECAYS
+    comptime PAIR_ROWS = Shared.PAIR_ROWS
+    comptime OUTBOX_SHARED = Shared.OUTBOX_SHARED
+    var shared = Shared()
+    var state_tile = shared.state_tile
     # The generic address of the pool's tensor map, for tensor-box copies.
     var state_map_at = UInt64(Int(Pointer(to=state_map)))
-    # Records and tokens land as they are, 16 bytes per copy; q and k, and the records'
-    # keys, are then put in lane-major order once per unit (stage_lane_major), where
-    # the norms also turn q into q / |q| / sqrt(K).
-    comptime NATURAL = natural_pitch[K]()
-    comptime ARRIVED_RECORD_KEYS = CHUNK * NATURAL if FOLD_PREVIOUS else 0
-    comptime RECORD_DELTAS = CHUNK * COLUMN_TILE if FOLD_PREVIOUS else 0
-    comptime RECORD_DECAYS = CHUNK if FOLD_PREVIOUS else 0
-    # Per-channel gates (CHANNEL) add K decays per token and per record, each buffer
-    # of them right after the keys' buffer it goes with (channel_decays): a token's as
-    # they arrive after its chunk's q and k pairs, lane-major after the lane-major keys;
-    # a record's as they arrive after the arrived record keys (record_channel_decays),
-    # lane-major after the lane-major record keys (lane_major_decays). Each decay address is then a constant offset from a key
-    # address the kernel holds anyway: a register of its own for them made the verify
-    # spill. Without CHANNEL, MULTIPLE is 1 and the buffers are as they were.
-    comptime MULTIPLE = 2 if CHANNEL else 1
-    # Rows per token in a buffer of arriving tokens: q and k, and per-channel the decays.
-    comptime PAIR_ROWS = 3 if CHANNEL else 2
-    # One buffer of record keys as they arrive: a unit's are put in lane-major order
-    # before the next unit's are copied in (see start_copies).
-    var arrived_record_keys = shared_floats[MULTIPLE * ARRIVED_RECORD_KEYS + 4]()
-    var record_keys = shared_floats[
-        (MULTIPLE * CHUNK * LANE_MAJOR if FOLD_PREVIOUS else 0) + 4
-    ]()
-    var record_deltas = shared_floats[2 * RECORD_DELTAS + 4]()
-    var record_decays = shared_floats[2 * RECORD_DECAYS + 4]()
-    var token_pairs = shared_floats[2 * CHUNK * PAIR_ROWS * NATURAL]()
-    var queries = shared_floats[CHUNK * LANE_MAJOR]()
-    var keys = shared_floats[MULTIPLE * CHUNK * LANE_MAJOR]()
-    var token_values = shared_floats[2 * CHUNK * COLUMN_TILE]()
-    var token_scalars = shared_floats[2 * CHUNK * TOKEN_SCALARS]()
-    # A chunk's readout rows and delta rows (token c's at rows 2c and 2c + 1) wait here
-    # until the chunk's tokens are done, then leave as 16-byte stores: the token loop
-    # then holds no global addresses (registers go to the state). In a fold on load
-    # they share the lane-major record keys' buffer, which the window does not use.
-    comptime OUTBOX_FLOATS = OUTBOX_ROWS_PER_TOKEN * CHUNK * COLUMN_TILE
-    comptime OUTBOX_SHARED = outbox_in_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS]()
-    var outbox = shared_floats[(0 if OUTBOX_SHARED else OUTBOX_FLOATS) + 4]()
-    comptime if OUTBOX_SHARED:
-        outbox = record_keys
-    var plan_ids = stack_allocation[
-        PLAN_FIELDS * PLAN_SLOTS, DType.uint32, alignment=16, address_space=AddressSpace.SHARED
-    ]()
-    # unit_ids[k % 2] holds the block's k-th unit from the moment it is known.
-    var unit_ids = stack_allocation[
-        PLAN_SLOTS, DType.uint32, alignment=8, address_space=AddressSpace.SHARED
-    ]()
-    var tile_arrived = stack_allocation[
-        1, DType.uint64, alignment=8, address_space=AddressSpace.SHARED
-    ]()
+    var arrived_record_keys = shared.arrived_record_keys
+    var record_keys = shared.record_keys
+    var record_deltas = shared.record_deltas
+    var record_decays = shared.record_decays
+    var token_pairs = shared.token_pairs
+    var queries = shared.queries
+    var keys = shared.keys
+    var token_values = shared.token_values
+    var token_scalars = shared.token_scalars
+    var outbox = shared.outbox
+    var plan_ids = shared.plan_ids
+    var unit_ids = shared.unit_ids
+    var tile_arrived = shared.tile_arrived
     # The phase of `tile_arrived` the next staged tile completes.
     var tile_phase = 0
 
@@ -1216,12 +1287,7 @@ def windows_gpu_kernel[
 
         # 1. This unit's copies have landed, for every thread; the block is done
         #    with the previous unit.
-        async_copy_wait_all()
-        comptime if BOXED_TILE:
-            if plan.runs:
-                wait_phase(tile_arrived, tile_phase)
-                tile_phase ^= 1
-        barrier()
+        wait_for_unit[state_dtype, COLUMN_TILE](plan, tile_arrived, tile_phase)
         # held[m] is state row m * 8 + lane of the thread's four columns.
         var held = Array[Columns, ROWS](fill=0.0)
         if plan.runs:

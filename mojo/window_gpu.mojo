@@ -748,9 +748,10 @@ def copy_record_chunk[
     tile_start: Int,
     tid: Int,
 ):
-    """Starts the copies of a later chunk of a fold on load's records (`count` from the
-    one at `first` in the ring): keys as they are into `arrived_keys`, the tile's deltas,
-    and the decays (per-channel, K of each after the keys, record_channel_decays)."""
+    """Starts the copies of `count` of a fold on load's records, from the one at `first`
+    in the ring: keys as they are into `arrived_keys`, the tile's deltas into `deltas`,
+    and the decays (into `decays`; per-channel K of each, after the keys,
+    record_channel_decays, and `decays` is unused)."""
     comptime THREADS = window_block_threads[COLUMN_TILE]()
     comptime if CHANNEL:
         copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
@@ -1133,6 +1134,11 @@ def windows_gpu_kernel[
     var claims = claims_i32 != 0
     var field = plan_field_reader[THREADS](tid)
 
+    # The closures below stay closures over the kernel's variables: written as functions
+    # with those passed as arguments (head_row, head_state_at, previous_records_at,
+    # start_tile_copy, start_record_copies, write_ids, each tried), the kernels compile to
+    # other machine code; in the fold on load, head_row's arithmetic moves out of the
+    # branch that uses it.
     @always_inline
     def write_ids(slot: Int, value: UInt32) {imm}:
         if field >= 0:
@@ -1185,26 +1191,12 @@ def windows_gpu_kernel[
     def start_record_copies(plan: RequestPlan, place: UnitPlace, buffer: Int) {imm}:
         comptime if FOLD_PREVIOUS:
             if plan.runs and plan.accepted > 0:
-                comptime if CHANNEL:
-                    copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
-                        arrived_record_keys,
-                        record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
-                        record_channel_decays[K](arrived_record_keys),
-                        ring,
-                        previous_records_at(plan, place),
-                        min(CHUNK, plan.accepted), record_stride, group_size,
-                        place.group_slot, place.tile_start, tid,
-                    )
-                else:
-                    copy_records_async[K, V, COLUMN_TILE, THREADS](
-                        arrived_record_keys,
-                        record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
-                        record_decays.unsafe_offset(buffer * RECORD_DECAYS),
-                        ring,
-                        previous_records_at(plan, place),
-                        min(CHUNK, plan.accepted), record_stride, group_size,
-                        place.group_slot, place.tile_start, tid,
-                    )
+                copy_record_chunk[K, V, COLUMN_TILE, CHANNEL](
+                    arrived_record_keys, record_deltas.unsafe_offset(buffer * RECORD_DELTAS),
+                    record_decays.unsafe_offset(buffer * RECORD_DECAYS), ring,
+                    previous_records_at(plan, place), min(CHUNK, plan.accepted),
+                    record_stride, group_size, place.group_slot, place.tile_start, tid,
+                )
 
     # Starts every copy a unit needs first, into buffer `buffer`; the state tile's only
     # when `with_tile`, the records' only when `with_records`.

@@ -1299,7 +1299,10 @@ def windows_gpu_kernel[
         if next < units:
             var next_plan = plan_of(1 - buffer)
             start_copies(
-                next_plan, next_place, 1 - buffer, not stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan),
+                next_plan,
+                next_place,
+                1 - buffer,
+                not stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan),
                 not folds_in_chunks[FOLD_PREVIOUS](plan),
             )
             # Its tile is copied in only after the fold (3.), but L2 can fetch it now,
@@ -1307,7 +1310,11 @@ def windows_gpu_kernel[
             # a layer at batch 64). Fetching the tile after it instead is slower than
             # no fetch at all: L2 then seems to drop tiles before their copies come.
             comptime if BOXED_TILE:
-                if tid == 0 and next_plan.runs and stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan):
+                if (
+                    tid == 0
+                    and next_plan.runs
+                    and stores_through_tile[state_dtype, COLUMN_TILE, FOLD_PREVIOUS](plan)
+                ):
                     prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
                         state_map_at, head_row(next_plan, next_place), next_place.tile_start
                     )

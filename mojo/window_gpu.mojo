@@ -786,6 +786,21 @@ def stage_record_keys[
         record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
     )
 
+@fieldwise_init
+struct WindowViews(ImplicitlyCopyable):
+    """The shared memory the window reads and writes: the unit's token buffer (q and k
+    pairs as they arrived, values, scalars), the lane-major q and k, the record keys'
+    buffer (restaged through) and the outbox."""
+
+    var pairs: SharedFloats
+    var values: SharedFloats
+    var scalars: SharedFloats
+    var queries: SharedFloats
+    var keys: SharedFloats
+    var record_keys: SharedFloats
+    var outbox: SharedFloats
+
+
 @always_inline
 def run_window[
     ROWS: Int, //,
@@ -802,13 +817,7 @@ def run_window[
     qkv: Pointer[Float32, ImmutAnyOrigin],
     decay: Pointer[Float32, ImmutAnyOrigin],
     beta: Pointer[Float32, ImmutAnyOrigin],
-    pairs: SharedFloats,
-    values: SharedFloats,
-    scalars: SharedFloats,
-    queries: SharedFloats,
-    keys: SharedFloats,
-    record_keys: SharedFloats,
-    outbox: SharedFloats,
+    views: WindowViews,
     plan: RequestPlan,
     record_row_base: Int,
     num_key_heads: Int,
@@ -827,6 +836,13 @@ def run_window[
     readouts and deltas leave through the outbox (send_outbox) once its tokens are done.
     The block's threads call it together."""
     comptime THREADS = window_block_threads[COLUMN_TILE]()
+    var pairs = views.pairs
+    var values = views.values
+    var scalars = views.scalars
+    var queries = views.queries
+    var keys = views.keys
+    var record_keys = views.record_keys
+    var outbox = views.outbox
     for chunk_start in range(plan.start, plan.end, WINDOW_CHUNK):
         var count = min(WINDOW_CHUNK, plan.end - chunk_start)
         if chunk_start > plan.start:
@@ -1390,9 +1406,10 @@ def windows_gpu_kernel[
         # 4. The window, WINDOW_CHUNK tokens at a time.
         var record_row_base = (plan.ring_row * num_key_heads + key_head) * RING_LEN
         run_window[K, V, COLUMN_TILE, RECORD, FOLD_PREVIOUS, CHANNEL](
-            held, readout, ring, qkv, decay, beta, pairs, values, scalars, queries, keys,
-            record_keys, outbox, plan, record_row_base, num_key_heads, num_value_heads,
-            readout_width, record_stride, group_size, here, tid, lane, tile_column, slot,
+            held, readout, ring, qkv, decay, beta,
+            WindowViews(pairs, values, scalars, queries, keys, record_keys, outbox), plan,
+            record_row_base, num_key_heads, num_value_heads, readout_width, record_stride,
+            group_size, here, tid, lane, tile_column, slot,
         )
 
         # 5. A forward, or a window too long for the ring, commits the state.

@@ -465,197 +465,6 @@ def locate[COLUMN_TILE: Int, TILES: Int](block_column: Int, group_size: Int) -> 
 
 
 @always_inline
-def store_state_rows[
-    ROWS: Int, //, state_dtype: DType, V: Int
-](
-    state_rows: Pointer[Scalar[state_dtype], MutAnyOrigin],
-    values: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS],
-):
-    """Writes the held state, already in the pool's dtype, from this thread's first state
-    row (`state_rows`); its other rows are constant offsets from it."""
-    comptime for m in range(ROWS):
-        state_rows.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
-            m * REDUCTION_LANES * V, values[m]
-        )
-
-
-@always_inline
-def send_outbox[
-    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int, RECORD: Bool, CHANNEL: Bool
-](
-    outbox: SharedFloats,
-    readout: Pointer[Float32, MutAnyOrigin],
-    ring: Pointer[Float32, MutAnyOrigin],
-    plan: RequestPlan,
-    chunk_start: Int,
-    count: Int,
-    record_row_base: Int,
-    tid: Int,
-    value_head: Int,
-    tile_start: Int,
-    group_slot: Int,
-    tile: Int,
-    readout_width: Int,
-    record_stride: Int,
-    group_size: Int,
-    pairs: SharedFloats,
-    scalars: SharedFloats,
-):
-    """Sends a chunk's outbox (`count` tokens from `chunk_start`: readouts at rows 2c,
-    deltas at 2c + 1) on to the readout and, for a verify, the ring: each warp the
-    columns it wrote, so that it waits for itself alone. The records' raw keys and
-    decays come from the staged tokens (`pairs`, `scalars`; write_chunk_records)."""
-    # The block is whole warps, or one warp at most (whole_warps).
-    comptime WARP_LANES = min(WARP_THREADS, THREADS)
-    comptime WARP_COLUMNS = WARP_LANES // REDUCTION_LANES * COLUMN_VECTOR
-    comptime ROW_VECTORS = WARP_COLUMNS // COPY_FLOATS
-    var records = RECORD and not plan.commit
-    # Every row, or only the readout rows where nothing is recorded.
-    var row_step = 1 if records else 2
-    var warp_lane = remainder[WARP_LANES](tid)
-    var warp_column = quotient[WARP_LANES](tid) * WARP_COLUMNS
-    syncwarp()  # the warp's own readouts and deltas are in the outbox
-    for i in range(warp_lane, count * (2 // row_step) * ROW_VECTORS, WARP_LANES):
-        var row = quotient[ROW_VECTORS](i) * row_step
-        var in_tile = warp_column + remainder[ROW_VECTORS](i) * COPY_FLOATS
-        var c = row >> 1
-        var vector = outbox.unsafe_load[width=COPY_FLOATS, alignment=16](
-            row * COLUMN_TILE + in_tile
-        )
-        if (row & 1) == 0:
-            readout.unsafe_store[alignment=16](
-                (chunk_start + c) * readout_width + value_head * V + tile_start + in_tile,
-                vector,
-            )
-        else:
-            var record = (record_row_base + chunk_start + c - plan.start) * record_stride
-            ring.unsafe_store[alignment=16](
-                record + delta_offset[K, V](group_slot) + tile_start + in_tile, vector
-            )
-    comptime if RECORD:
-        if records and tile == 0:
-            write_chunk_records[K, V, THREADS, CHANNEL](
-                ring, (record_row_base + chunk_start - plan.start) * record_stride,
-                record_stride, count, pairs, scalars, group_size, group_slot, tid,
-                channel_decays[K](pairs),
-            )
-
-
-@always_inline
-def post[
-    COLUMN_TILE: Int
-](outbox: SharedFloats, row: Int, value: Float32, lane: Int, tile_column: Int, slot: Int):
-    """One lane of each column leaves its value in outbox row `row` (token c's readout at
-    row 2c, its delta at 2c + 1)."""
-    if (lane & 1) == 0:
-        outbox[unsafe_offset=row * COLUMN_TILE + tile_column + slot] = value
-
-
-@always_inline
-def window_chunk_tokens[
-    ROWS: Int, //, K: Int, COLUMN_TILE: Int, RECORD: Bool, CHANNEL: Bool
-](
-    mut held: Array[Columns, ROWS],
-    outbox: SharedFloats,
-    scalars: SharedFloats,
-    keys: SharedFloats,
-    queries: SharedFloats,
-    values: SharedFloats,
-    count: Int,
-    lane: Int,
-    tile_column: Int,
-    slot: Int,
-):
-    """The window's `count` staged tokens on the held tile (tile_token), their readouts
-    and, for a verify, their deltas left in the outbox for send_outbox."""
-    # The readout sums of token c are finished while token c + 1 computes: their
-    # shuffles then overlap its arithmetic instead of stalling the warp.
-    var pending_out = Columns(0.0)
-    for c in range(count):
-        var readout_and_delta = tile_token[K, CHANNEL](
-            held, pending_out, scalars, keys, queries, values, c,
-            c * COLUMN_TILE + tile_column + slot, lane, lane_major_decays[K](keys),
-        )
-        var previous_o = readout_and_delta[0]
-        var u = readout_and_delta[1]
-        if c > 0:
-            post[COLUMN_TILE](outbox, 2 * (c - 1), previous_o, lane, tile_column, slot)
-        comptime if RECORD:
-            post[COLUMN_TILE](outbox, 2 * c + 1, u, lane, tile_column, slot)
-    if count > 0:
-        post[COLUMN_TILE](
-            outbox, 2 * (count - 1), column_sum(pending_out, lane), lane, tile_column, slot
-        )
-
-@always_inline
-def stage_first_chunk[
-    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
-](
-    plan: RequestPlan,
-    pairs: SharedFloats,
-    scalars: SharedFloats,
-    queries: SharedFloats,
-    keys: SharedFloats,
-    arrived_record_keys: SharedFloats,
-    record_keys: SharedFloats,
-    first_count: Int,
-    tid: Int,
-):
-    """Puts a unit's first chunk of tokens (`first_count`, copied by start_copies) and,
-    in a fold on load, its first chunk of records in lane-major order, with the tokens'
-    norms (stage_lane_major). The block's threads call it together."""
-    comptime THREADS = window_block_threads[COLUMN_TILE]()
-    var first_records = 0
-    comptime if FOLD_PREVIOUS:
-        first_records = min(WINDOW_CHUNK, plan.accepted)
-    if first_count > 0 or first_records > 0:
-        stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
-            pairs, queries, keys, first_count, scalars,
-            arrived_record_keys, record_keys, first_records, tid,
-            channel_decays[K](pairs), lane_major_decays[K](keys),
-            record_channel_decays[K](arrived_record_keys), lane_major_decays[K](record_keys),
-        )
-
-@always_inline
-def load_staged_tile[
-    ROWS: Int, //, state_dtype: DType, K: Int, COLUMN_TILE: Int
-](
-    mut held: Array[Columns, ROWS],
-    state_tile: Pointer[
-        Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
-    ],
-    lane: Int,
-    tile_column: Int,
-):
-    """Moves this thread's rows of the staged state tile to `held`, widened to fp32:
-    held[m] is state row m * 8 + lane of the thread's four columns."""
-    comptime for m in range(ROWS):
-        held[m] = state_tile.unsafe_load[
-            width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
-        ](
-            staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column)
-        ).cast[DType.float32]()
-
-@always_inline
-def stores_through_tile[
-    state_dtype: DType, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
-](plan: RequestPlan) -> Bool:
-    """Whether the request's folded state leaves through the staged tile as tensor boxes:
-    the next unit's tile then comes in once they have read it."""
-    comptime if FOLD_PREVIOUS and tile_in_boxes[state_dtype, COLUMN_TILE]():
-        return plan.runs and plan.accepted > 0 and not plan.commit
-    return False
-
-
-@always_inline
-def folds_in_chunks[FOLD_PREVIOUS: Bool](plan: RequestPlan) -> Bool:
-    """Whether a unit folds its records in more than one chunk: those chunks pass through
-    the keys' one buffer, so the next unit's records are copied after its fold."""
-    comptime if FOLD_PREVIOUS:
-        return plan.runs and plan.accepted > WINDOW_CHUNK
-    return False
-
-@always_inline
 def request_of(unit: Int, block_columns: Int) -> Int:
     """The request of unit `unit` (window_gpu_staging.mojo: request u // block_columns)."""
     return divide(unit, block_columns)[0]
@@ -668,200 +477,6 @@ def place_of_unit[
     """The place of unit `unit`'s column block (u % block_columns)."""
     return place_of[COLUMN_TILE, TILES](divide(unit, block_columns)[1], group_size)
 
-@always_inline
-def poison_readout[
-    V: Int
-](
-    readout: Pointer[Float32, MutAnyOrigin],
-    plan: RequestPlan,
-    readout_width: Int,
-    value_head: Int,
-    column: Int,
-    slot: Int,
-    lane: Int,
-):
-    """Makes a request's readout loudly invalid (NaN) where an id is out of bounds: one
-    lane of each column writes it."""
-    for t in range(plan.start, plan.end):
-        if (lane & 1) == 0:
-            readout[unsafe_offset=t * readout_width + value_head * V + column + slot] = nan[
-                DType.float32
-            ]()
-
-@always_inline
-def hint_first_tile[
-    state_dtype: DType, K: Int, COLUMN_TILE: Int, TILES: Int
-](
-    row_ids: Pointer[UInt32, ImmutAnyOrigin],
-    unit: Int,
-    block_columns: Int,
-    group_size: Int,
-    num_rows: Int,
-    num_value_heads: Int,
-    state_map_at: UInt64,
-):
-    """Asks L2 for the state tile of the block's first unit at the row the ids name now
-    (one thread, before the wait for the kernel before)."""
-    var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit, block_columns))))
-    if hinted_row < num_rows:
-        var first_place = place_of_unit[COLUMN_TILE, TILES](unit, block_columns, group_size)
-        prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
-            state_map_at,
-            (hinted_row * num_value_heads + first_place.value_head) * K,
-            first_place.tile_start,
-        )
-
-@always_inline
-def stage_folded_tile[
-    ROWS: Int, //, state_dtype: DType, K: Int, COLUMN_TILE: Int
-](
-    state_tile: Pointer[
-        Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
-    ],
-    stored: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS],
-    lane: Int,
-    tile_column: Int,
-):
-    """Puts the folded state back where it was staged from, for the copy engine to take
-    out as tensor boxes; the block's threads call it together."""
-    comptime for m in range(ROWS):
-        state_tile.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
-            staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column),
-            stored[m],
-        )
-    shared_writes_visible_to_bulk_copies()
-    barrier()
-
-@always_inline
-def copy_record_chunk[
-    K: Int, V: Int, COLUMN_TILE: Int, CHANNEL: Bool
-](
-    arrived_keys: SharedFloats,
-    deltas: SharedFloats,
-    decays: SharedFloats,
-    ring: Pointer[Float32, MutAnyOrigin],
-    first: Int,
-    count: Int,
-    record_stride: Int,
-    group_size: Int,
-    group_slot: Int,
-    tile_start: Int,
-    tid: Int,
-):
-    """Starts the copies of `count` of a fold on load's records, from the one at `first`
-    in the ring: keys as they are into `arrived_keys`, the tile's deltas into `deltas`,
-    and the decays (into `decays`; per-channel K of each, after the keys,
-    record_channel_decays, and `decays` is unused)."""
-    comptime THREADS = window_block_threads[COLUMN_TILE]()
-    comptime if CHANNEL:
-        copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
-            arrived_keys, deltas, record_channel_decays[K](arrived_keys), ring, first, count,
-            record_stride, group_size, group_slot, tile_start, tid,
-        )
-    else:
-        copy_records_async[K, V, COLUMN_TILE, THREADS](
-            arrived_keys, deltas, decays, ring, first, count, record_stride, group_size,
-            group_slot, tile_start, tid,
-        )
-
-@always_inline
-def stage_record_keys[
-    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
-](
-    pairs: SharedFloats,
-    scalars: SharedFloats,
-    queries: SharedFloats,
-    keys: SharedFloats,
-    arrived_keys: SharedFloats,
-    record_keys: SharedFloats,
-    count: Int,
-    tid: Int,
-):
-    """Puts a later chunk of `count` records' keys (per-channel, also their decays) in
-    lane-major order; no tokens (the window's first chunk stays staged)."""
-    comptime THREADS = window_block_threads[COLUMN_TILE]()
-    stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
-        pairs, queries, keys, 0, scalars, arrived_keys, record_keys, count, tid,
-        channel_decays[K](pairs), lane_major_decays[K](keys),
-        record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
-    )
-
-@fieldwise_init
-struct WindowViews(ImplicitlyCopyable):
-    """The shared memory the window reads and writes: the unit's token buffer (q and k
-    pairs as they arrived, values, scalars), the lane-major q and k, the record keys'
-    buffer (restaged through) and the outbox."""
-
-    var pairs: SharedFloats
-    var values: SharedFloats
-    var scalars: SharedFloats
-    var queries: SharedFloats
-    var keys: SharedFloats
-    var record_keys: SharedFloats
-    var outbox: SharedFloats
-
-
-@always_inline
-def run_window[
-    ROWS: Int, //,
-    K: Int,
-    V: Int,
-    COLUMN_TILE: Int,
-    RECORD: Bool,
-    FOLD_PREVIOUS: Bool,
-    CHANNEL: Bool,
-](
-    mut held: Array[Columns, ROWS],
-    readout: Pointer[Float32, MutAnyOrigin],
-    ring: Pointer[Float32, MutAnyOrigin],
-    qkv: Pointer[Float32, ImmutAnyOrigin],
-    decay: Pointer[Float32, ImmutAnyOrigin],
-    beta: Pointer[Float32, ImmutAnyOrigin],
-    views: WindowViews,
-    plan: RequestPlan,
-    record_row_base: Int,
-    num_key_heads: Int,
-    num_value_heads: Int,
-    readout_width: Int,
-    record_stride: Int,
-    group_size: Int,
-    place: UnitPlace,
-    tid: Int,
-    lane: Int,
-    tile_column: Int,
-    slot: Int,
-):
-    """4. The window on the held tile, WINDOW_CHUNK tokens at a time: the first chunk as
-    the unit staged it (1.), each later one staged here into the same buffers. A chunk's
-    readouts and deltas leave through the outbox (send_outbox) once its tokens are done.
-    The block's threads call it together."""
-    comptime THREADS = window_block_threads[COLUMN_TILE]()
-    var pairs = views.pairs
-    var values = views.values
-    var scalars = views.scalars
-    var queries = views.queries
-    var keys = views.keys
-    var record_keys = views.record_keys
-    var outbox = views.outbox
-    for chunk_start in range(plan.start, plan.end, WINDOW_CHUNK):
-        var count = min(WINDOW_CHUNK, plan.end - chunk_start)
-        if chunk_start > plan.start:
-            barrier()  # done with the previous chunk of tokens and its norms
-            stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
-                pairs, values, scalars, queries, keys, record_keys, qkv, decay, beta,
-                chunk_start, count, num_key_heads, place.key_head, num_value_heads,
-                place.value_head, place.tile_start, tid, channel_decays[K](pairs),
-                lane_major_decays[K](keys),
-            )
-            barrier()
-        window_chunk_tokens[K, COLUMN_TILE, RECORD, CHANNEL](
-            held, outbox, scalars, keys, queries, values, count, lane, tile_column, slot
-        )
-        send_outbox[K, V, COLUMN_TILE, THREADS, RECORD, CHANNEL](
-            outbox, readout, ring, plan, chunk_start, count, record_row_base, tid,
-            place.value_head, place.tile_start, place.group_slot, place.tile, readout_width,
-            record_stride, group_size, pairs, scalars,
-        )
 
 @always_inline
 def read_unit_ids[
@@ -897,19 +512,6 @@ def claim_after(
         return UInt32(2 * grid_blocks) + claim_unit(unit_counter)
     return UInt32(previous + grid_blocks)
 
-@always_inline
-def wait_for_unit[
-    state_dtype: DType, COLUMN_TILE: Int
-](plan: RequestPlan, tile_arrived: SharedBarrier, mut tile_phase: Int):
-    """1. The unit's copies have landed, for every thread (the tensor boxes of its state
-    tile too: `tile_phase` is the phase of `tile_arrived` they complete); the block is
-    done with the previous unit."""
-    async_copy_wait_all()
-    comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
-        if plan.runs:
-            wait_phase(tile_arrived, tile_phase)
-            tile_phase ^= 1
-    barrier()
 
 struct ThroughputShared[
     state_dtype: DType, K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
@@ -1008,6 +610,418 @@ struct ThroughputShared[
             1, DType.uint64, alignment=8, address_space=AddressSpace.SHARED
         ]()
 
+
+@always_inline
+def hint_first_tile[
+    state_dtype: DType, K: Int, COLUMN_TILE: Int, TILES: Int
+](
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    unit: Int,
+    block_columns: Int,
+    group_size: Int,
+    num_rows: Int,
+    num_value_heads: Int,
+    state_map_at: UInt64,
+):
+    """Asks L2 for the state tile of the block's first unit at the row the ids name now
+    (one thread, before the wait for the kernel before)."""
+    var hinted_row = Int(load_hint(row_ids.unsafe_offset(request_of(unit, block_columns))))
+    if hinted_row < num_rows:
+        var first_place = place_of_unit[COLUMN_TILE, TILES](unit, block_columns, group_size)
+        prefetch_state_tile_boxes[state_dtype, K, COLUMN_TILE](
+            state_map_at,
+            (hinted_row * num_value_heads + first_place.value_head) * K,
+            first_place.tile_start,
+        )
+
+
+@always_inline
+def stores_through_tile[
+    state_dtype: DType, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool
+](plan: RequestPlan) -> Bool:
+    """Whether the request's folded state leaves through the staged tile as tensor boxes:
+    the next unit's tile then comes in once they have read it."""
+    comptime if FOLD_PREVIOUS and tile_in_boxes[state_dtype, COLUMN_TILE]():
+        return plan.runs and plan.accepted > 0 and not plan.commit
+    return False
+
+
+@always_inline
+def folds_in_chunks[FOLD_PREVIOUS: Bool](plan: RequestPlan) -> Bool:
+    """Whether a unit folds its records in more than one chunk: those chunks pass through
+    the keys' one buffer, so the next unit's records are copied after its fold."""
+    comptime if FOLD_PREVIOUS:
+        return plan.runs and plan.accepted > WINDOW_CHUNK
+    return False
+
+
+@always_inline
+def wait_for_unit[
+    state_dtype: DType, COLUMN_TILE: Int
+](plan: RequestPlan, tile_arrived: SharedBarrier, mut tile_phase: Int):
+    """1. The unit's copies have landed, for every thread (the tensor boxes of its state
+    tile too: `tile_phase` is the phase of `tile_arrived` they complete); the block is
+    done with the previous unit."""
+    async_copy_wait_all()
+    comptime if tile_in_boxes[state_dtype, COLUMN_TILE]():
+        if plan.runs:
+            wait_phase(tile_arrived, tile_phase)
+            tile_phase ^= 1
+    barrier()
+
+
+@always_inline
+def stage_first_chunk[
+    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
+](
+    plan: RequestPlan,
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+    queries: SharedFloats,
+    keys: SharedFloats,
+    arrived_record_keys: SharedFloats,
+    record_keys: SharedFloats,
+    first_count: Int,
+    tid: Int,
+):
+    """Puts a unit's first chunk of tokens (`first_count`, copied by start_copies) and,
+    in a fold on load, its first chunk of records in lane-major order, with the tokens'
+    norms (stage_lane_major). The block's threads call it together."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    var first_records = 0
+    comptime if FOLD_PREVIOUS:
+        first_records = min(WINDOW_CHUNK, plan.accepted)
+    if first_count > 0 or first_records > 0:
+        stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
+            pairs, queries, keys, first_count, scalars,
+            arrived_record_keys, record_keys, first_records, tid,
+            channel_decays[K](pairs), lane_major_decays[K](keys),
+            record_channel_decays[K](arrived_record_keys), lane_major_decays[K](record_keys),
+        )
+
+
+@always_inline
+def load_staged_tile[
+    ROWS: Int, //, state_dtype: DType, K: Int, COLUMN_TILE: Int
+](
+    mut held: Array[Columns, ROWS],
+    state_tile: Pointer[
+        Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
+    ],
+    lane: Int,
+    tile_column: Int,
+):
+    """Moves this thread's rows of the staged state tile to `held`, widened to fp32:
+    held[m] is state row m * 8 + lane of the thread's four columns."""
+    comptime for m in range(ROWS):
+        held[m] = state_tile.unsafe_load[
+            width=COLUMN_VECTOR, alignment=COLUMN_VECTOR * size_of[state_dtype]()
+        ](
+            staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column)
+        ).cast[DType.float32]()
+
+
+@always_inline
+def poison_readout[
+    V: Int
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    plan: RequestPlan,
+    readout_width: Int,
+    value_head: Int,
+    column: Int,
+    slot: Int,
+    lane: Int,
+):
+    """Makes a request's readout loudly invalid (NaN) where an id is out of bounds: one
+    lane of each column writes it."""
+    for t in range(plan.start, plan.end):
+        if (lane & 1) == 0:
+            readout[unsafe_offset=t * readout_width + value_head * V + column + slot] = nan[
+                DType.float32
+            ]()
+
+
+@always_inline
+def copy_record_chunk[
+    K: Int, V: Int, COLUMN_TILE: Int, CHANNEL: Bool
+](
+    arrived_keys: SharedFloats,
+    deltas: SharedFloats,
+    decays: SharedFloats,
+    ring: Pointer[Float32, MutAnyOrigin],
+    first: Int,
+    count: Int,
+    record_stride: Int,
+    group_size: Int,
+    group_slot: Int,
+    tile_start: Int,
+    tid: Int,
+):
+    """Starts the copies of `count` of a fold on load's records, from the one at `first`
+    in the ring: keys as they are into `arrived_keys`, the tile's deltas into `deltas`,
+    and the decays (into `decays`; per-channel K of each, after the keys,
+    record_channel_decays, and `decays` is unused)."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    comptime if CHANNEL:
+        copy_channel_records_async[K, V, COLUMN_TILE, THREADS](
+            arrived_keys, deltas, record_channel_decays[K](arrived_keys), ring, first, count,
+            record_stride, group_size, group_slot, tile_start, tid,
+        )
+    else:
+        copy_records_async[K, V, COLUMN_TILE, THREADS](
+            arrived_keys, deltas, decays, ring, first, count, record_stride, group_size,
+            group_slot, tile_start, tid,
+        )
+
+
+@always_inline
+def stage_record_keys[
+    K: Int, COLUMN_TILE: Int, FOLD_PREVIOUS: Bool, CHANNEL: Bool
+](
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+    queries: SharedFloats,
+    keys: SharedFloats,
+    arrived_keys: SharedFloats,
+    record_keys: SharedFloats,
+    count: Int,
+    tid: Int,
+):
+    """Puts a later chunk of `count` records' keys (per-channel, also their decays) in
+    lane-major order; no tokens (the window's first chunk stays staged)."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    stage_lane_major[K, THREADS, FOLD_PREVIOUS, CHANNEL](
+        pairs, queries, keys, 0, scalars, arrived_keys, record_keys, count, tid,
+        channel_decays[K](pairs), lane_major_decays[K](keys),
+        record_channel_decays[K](arrived_keys), lane_major_decays[K](record_keys),
+    )
+
+
+@always_inline
+def stage_folded_tile[
+    ROWS: Int, //, state_dtype: DType, K: Int, COLUMN_TILE: Int
+](
+    state_tile: Pointer[
+        Scalar[state_dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED
+    ],
+    stored: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS],
+    lane: Int,
+    tile_column: Int,
+):
+    """Puts the folded state back where it was staged from, for the copy engine to take
+    out as tensor boxes; the block's threads call it together."""
+    comptime for m in range(ROWS):
+        state_tile.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
+            staged_at[state_dtype, K, COLUMN_TILE](m * REDUCTION_LANES + lane, tile_column),
+            stored[m],
+        )
+    shared_writes_visible_to_bulk_copies()
+    barrier()
+
+
+@always_inline
+def store_state_rows[
+    ROWS: Int, //, state_dtype: DType, V: Int
+](
+    state_rows: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    values: Array[SIMD[state_dtype, COLUMN_VECTOR], ROWS],
+):
+    """Writes the held state, already in the pool's dtype, from this thread's first state
+    row (`state_rows`); its other rows are constant offsets from it."""
+    comptime for m in range(ROWS):
+        state_rows.unsafe_store[alignment=COLUMN_VECTOR * size_of[state_dtype]()](
+            m * REDUCTION_LANES * V, values[m]
+        )
+
+
+@always_inline
+def post[
+    COLUMN_TILE: Int
+](outbox: SharedFloats, row: Int, value: Float32, lane: Int, tile_column: Int, slot: Int):
+    """One lane of each column leaves its value in outbox row `row` (token c's readout at
+    row 2c, its delta at 2c + 1)."""
+    if (lane & 1) == 0:
+        outbox[unsafe_offset=row * COLUMN_TILE + tile_column + slot] = value
+
+
+@always_inline
+def window_chunk_tokens[
+    ROWS: Int, //, K: Int, COLUMN_TILE: Int, RECORD: Bool, CHANNEL: Bool
+](
+    mut held: Array[Columns, ROWS],
+    outbox: SharedFloats,
+    scalars: SharedFloats,
+    keys: SharedFloats,
+    queries: SharedFloats,
+    values: SharedFloats,
+    count: Int,
+    lane: Int,
+    tile_column: Int,
+    slot: Int,
+):
+    """The window's `count` staged tokens on the held tile (tile_token), their readouts
+    and, for a verify, their deltas left in the outbox for send_outbox."""
+    # The readout sums of token c are finished while token c + 1 computes: their
+    # shuffles then overlap its arithmetic instead of stalling the warp.
+    var pending_out = Columns(0.0)
+    for c in range(count):
+        var readout_and_delta = tile_token[K, CHANNEL](
+            held, pending_out, scalars, keys, queries, values, c,
+            c * COLUMN_TILE + tile_column + slot, lane, lane_major_decays[K](keys),
+        )
+        var previous_o = readout_and_delta[0]
+        var u = readout_and_delta[1]
+        if c > 0:
+            post[COLUMN_TILE](outbox, 2 * (c - 1), previous_o, lane, tile_column, slot)
+        comptime if RECORD:
+            post[COLUMN_TILE](outbox, 2 * c + 1, u, lane, tile_column, slot)
+    if count > 0:
+        post[COLUMN_TILE](
+            outbox, 2 * (count - 1), column_sum(pending_out, lane), lane, tile_column, slot
+        )
+
+
+@always_inline
+def send_outbox[
+    K: Int, V: Int, COLUMN_TILE: Int, THREADS: Int, RECORD: Bool, CHANNEL: Bool
+](
+    outbox: SharedFloats,
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    plan: RequestPlan,
+    chunk_start: Int,
+    count: Int,
+    record_row_base: Int,
+    tid: Int,
+    value_head: Int,
+    tile_start: Int,
+    group_slot: Int,
+    tile: Int,
+    readout_width: Int,
+    record_stride: Int,
+    group_size: Int,
+    pairs: SharedFloats,
+    scalars: SharedFloats,
+):
+    """Sends a chunk's outbox (`count` tokens from `chunk_start`: readouts at rows 2c,
+    deltas at 2c + 1) on to the readout and, for a verify, the ring: each warp the
+    columns it wrote, so that it waits for itself alone. The records' raw keys and
+    decays come from the staged tokens (`pairs`, `scalars`; write_chunk_records)."""
+    # The block is whole warps, or one warp at most (whole_warps).
+    comptime WARP_LANES = min(WARP_THREADS, THREADS)
+    comptime WARP_COLUMNS = WARP_LANES // REDUCTION_LANES * COLUMN_VECTOR
+    comptime ROW_VECTORS = WARP_COLUMNS // COPY_FLOATS
+    var records = RECORD and not plan.commit
+    # Every row, or only the readout rows where nothing is recorded.
+    var row_step = 1 if records else 2
+    var warp_lane = remainder[WARP_LANES](tid)
+    var warp_column = quotient[WARP_LANES](tid) * WARP_COLUMNS
+    syncwarp()  # the warp's own readouts and deltas are in the outbox
+    for i in range(warp_lane, count * (2 // row_step) * ROW_VECTORS, WARP_LANES):
+        var row = quotient[ROW_VECTORS](i) * row_step
+        var in_tile = warp_column + remainder[ROW_VECTORS](i) * COPY_FLOATS
+        var c = row >> 1
+        var vector = outbox.unsafe_load[width=COPY_FLOATS, alignment=16](
+            row * COLUMN_TILE + in_tile
+        )
+        if (row & 1) == 0:
+            readout.unsafe_store[alignment=16](
+                (chunk_start + c) * readout_width + value_head * V + tile_start + in_tile,
+                vector,
+            )
+        else:
+            var record = (record_row_base + chunk_start + c - plan.start) * record_stride
+            ring.unsafe_store[alignment=16](
+                record + delta_offset[K, V](group_slot) + tile_start + in_tile, vector
+            )
+    comptime if RECORD:
+        if records and tile == 0:
+            write_chunk_records[K, V, THREADS, CHANNEL](
+                ring, (record_row_base + chunk_start - plan.start) * record_stride,
+                record_stride, count, pairs, scalars, group_size, group_slot, tid,
+                channel_decays[K](pairs),
+            )
+
+
+@fieldwise_init
+struct WindowViews(ImplicitlyCopyable):
+    """The shared memory the window reads and writes: the unit's token buffer (q and k
+    pairs as they arrived, values, scalars), the lane-major q and k, the record keys'
+    buffer (restaged through) and the outbox."""
+
+    var pairs: SharedFloats
+    var values: SharedFloats
+    var scalars: SharedFloats
+    var queries: SharedFloats
+    var keys: SharedFloats
+    var record_keys: SharedFloats
+    var outbox: SharedFloats
+
+
+@always_inline
+def run_window[
+    ROWS: Int, //,
+    K: Int,
+    V: Int,
+    COLUMN_TILE: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+    CHANNEL: Bool,
+](
+    mut held: Array[Columns, ROWS],
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    views: WindowViews,
+    plan: RequestPlan,
+    record_row_base: Int,
+    num_key_heads: Int,
+    num_value_heads: Int,
+    readout_width: Int,
+    record_stride: Int,
+    group_size: Int,
+    place: UnitPlace,
+    tid: Int,
+    lane: Int,
+    tile_column: Int,
+    slot: Int,
+):
+    """4. The window on the held tile, WINDOW_CHUNK tokens at a time: the first chunk as
+    the unit staged it (1.), each later one staged here into the same buffers. A chunk's
+    readouts and deltas leave through the outbox (send_outbox) once its tokens are done.
+    The block's threads call it together."""
+    comptime THREADS = window_block_threads[COLUMN_TILE]()
+    var pairs = views.pairs
+    var values = views.values
+    var scalars = views.scalars
+    var queries = views.queries
+    var keys = views.keys
+    var record_keys = views.record_keys
+    var outbox = views.outbox
+    for chunk_start in range(plan.start, plan.end, WINDOW_CHUNK):
+        var count = min(WINDOW_CHUNK, plan.end - chunk_start)
+        if chunk_start > plan.start:
+            barrier()  # done with the previous chunk of tokens and its norms
+            stage_tokens[K, V, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
+                pairs, values, scalars, queries, keys, record_keys, qkv, decay, beta,
+                chunk_start, count, num_key_heads, place.key_head, num_value_heads,
+                place.value_head, place.tile_start, tid, channel_decays[K](pairs),
+                lane_major_decays[K](keys),
+            )
+            barrier()
+        window_chunk_tokens[K, COLUMN_TILE, RECORD, CHANNEL](
+            held, outbox, scalars, keys, queries, values, count, lane, tile_column, slot
+        )
+        send_outbox[K, V, COLUMN_TILE, THREADS, RECORD, CHANNEL](
+            outbox, readout, ring, plan, chunk_start, count, record_row_base, tid,
+            place.value_head, place.tile_start, place.group_slot, place.tile, readout_width,
+            record_stride, group_size, pairs, scalars,
+        )
+
+
 # Tell the register allocator how many blocks an SM should hold (window_blocks_per_sm),
 # so that it leaves them room: unbounded, it takes over 200 registers per thread.
 @__llvm_metadata(
@@ -1060,6 +1074,9 @@ def windows_gpu_kernel[
     record_stride_i32: Int32,
     dependent_i32: Int32,
 ):
+    """A block's units, one after another, in the steps of the module's docstring: the
+    driver of the phase functions above. What stays inline here either holds the unit
+    loop's state or, moved into a function, compiled to other machine code."""
     comptime TILES = V // COLUMN_TILE
     comptime ROWS = K // REDUCTION_LANES
     comptime THREADS = window_block_threads[COLUMN_TILE]()

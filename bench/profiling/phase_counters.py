@@ -91,7 +91,7 @@ FINISH = f'''
 '''
 # (text to find, text to put before it, text to put after it)
 EDITS = (
-    ("\ncomptime COLUMN_VECTOR = 4\n", CLOCK, ""),
+    ("\ndef window_block_threads[", CLOCK, ""),
     ("    if dependent_i32 != 0:\n", START, ""),
     ("    # The first unit's ids, and the second unit, which no block has to wait to claim.\n",
      "    end_phase(5)\n", ""),
@@ -99,7 +99,7 @@ EDITS = (
     ("        # held[m] is state row m * 8 + lane of the thread's four columns.\n", "        end_phase(0)\n", ""),
     ("        barrier()  # the state tile is free, the norms are written, the ids are in\n", "",
      "        end_phase(1)\n"),
-    ("        # One lane of each column writes its readout.\n", "        end_phase(2)\n", ""),
+    ("        if plan.poisoned:\n", "        end_phase(2)\n", ""),
     ("        # 4. The window, WINDOW_CHUNK tokens at a time.\n", "        end_phase(3)\n", ""),
     ("        # 5. A forward, or a window too long for the ring, commits the state.\n",
      "        end_phase(4)\n", ""),

@@ -26,6 +26,7 @@ from numpy.typing import NDArray
 
 from . import reference
 from .layout import Gate, RecordLayout
+from .trees import root_path
 
 if TYPE_CHECKING:
     from .sharded import HeadShard
@@ -341,8 +342,6 @@ def random_accepted_nodes(seed: int, parents: NDArray, windows: list[int]) -> tu
     node (none, for an empty window, and now and then for any). Returns
     ``(accepted_nodes [batch, RING_LEN] uint32, num_accepted [batch] uint32)``; entries
     past a path are RING_LEN, a node no window holds."""
-    from .trees import root_path
-
     rng = np.random.default_rng(seed)
     batch, ring_len = parents.shape
     nodes = np.full((batch, ring_len), ring_len, np.uint32)

@@ -75,6 +75,14 @@ def root_path(parents: NDArray, node: int) -> list[int]:
     return path[::-1]
 
 
+def _request_table(name: str, table: NDArray, batch: int, ring_len: int) -> NDArray:
+    """``table`` as an array, refused unless it is ``[batch, RING_LEN]``."""
+    table = np.asarray(table)
+    if table.shape != (batch, ring_len):
+        raise ValueError(f"{name}: expected shape [{batch}, {ring_len}] ([batch, RING_LEN]), got {list(table.shape)}")
+    return table
+
+
 def check_parents(parents: NDArray, windows: Sequence[int], ring_len: int) -> None:
     """Refuses a ``parents`` table that is not ``[batch, RING_LEN]`` of integers, a window
     longer than RING_LEN (a tree's records must all fit the ring: it has no one path to
@@ -84,10 +92,7 @@ def check_parents(parents: NDArray, windows: Sequence[int], ring_len: int) -> No
         ValueError: naming ``parents`` (or ``input_row_offsets``), the request, the node
             and the bad value.
     """
-    parents = np.asarray(parents)
-    if parents.ndim != 2 or parents.shape != (len(windows), ring_len):
-        raise ValueError(f"parents: expected shape [{len(windows)}, {ring_len}] ([batch, RING_LEN]),"
-                         f" got {list(parents.shape)}")
+    parents = _request_table("parents", parents, len(windows), ring_len)
     if not np.issubdtype(parents.dtype, np.integer):
         raise ValueError(f"parents: expected an integer table, got {parents.dtype}")
     for b, window in enumerate(windows):
@@ -110,11 +115,7 @@ def check_path_nodes(accepted_nodes: NDArray, num_accepted: NDArray, ring_len: i
     Raises:
         ValueError: naming ``accepted_nodes``, the request and the bad value.
     """
-    accepted_nodes = np.asarray(accepted_nodes)
-    batch = len(np.asarray(num_accepted))
-    if accepted_nodes.shape != (batch, ring_len):
-        raise ValueError(f"accepted_nodes: expected shape [{batch}, {ring_len}] ([batch, RING_LEN]),"
-                         f" got {list(accepted_nodes.shape)}")
+    accepted_nodes = _request_table("accepted_nodes", accepted_nodes, len(np.asarray(num_accepted)), ring_len)
     for b, count in enumerate(int(n) for n in np.asarray(num_accepted)):
         if not 0 < count <= ring_len:
             continue
@@ -136,11 +137,8 @@ def check_accepted_nodes(accepted_nodes: NDArray, num_accepted: NDArray, parents
             bad value.
     """
     check_parents(parents, windows, ring_len)
-    accepted_nodes = np.asarray(accepted_nodes)
+    accepted_nodes = _request_table("accepted_nodes", accepted_nodes, len(windows), ring_len)
     num_accepted = np.asarray(num_accepted)
-    if accepted_nodes.ndim != 2 or accepted_nodes.shape != (len(windows), ring_len):
-        raise ValueError(f"accepted_nodes: expected shape [{len(windows)}, {ring_len}] ([batch, RING_LEN]),"
-                         f" got {list(accepted_nodes.shape)}")
     if num_accepted.shape != (len(windows),):
         raise ValueError(f"num_accepted: expected shape [{len(windows)}], got {list(num_accepted.shape)}")
     for b, window in enumerate(windows):

@@ -82,7 +82,6 @@ def carry_input_types(devices: Sequence[DeviceRef]) -> list[BufferType | TensorT
 class RingCarry:
     """What one device's step reads from its table (graph values)."""
 
-    table: TensorValue
     block: TensorValue
     tags: TensorValue
     last: TensorValue
@@ -103,8 +102,7 @@ def read_carry(table: BufferValue, tags: TensorValue, ring_rows: TensorValue, la
     rows = ring_rows.cast(DType.uint32)
     block = rows[0] // _u32(2 * layers, device)
     loaded = ops.buffer_load(table)
-    # Gather indices as MAX documents them (int32 or int64), not the uint32 of the rows (a
-    # suspect, not a proven cause, of the fused server's crash on an H100).
+    # Gather indices as MAX documents them (int32 or int64), not the uint32 of the rows.
     entry = ops.gather(loaded, block.cast(DType.int64), axis=0)
     zero = ops.broadcast_to(_u32(0, device), block.shape)
     same = ops.logical_and(ops.equal(entry[:, TAG_LO], tags[:, 0]), ops.equal(entry[:, TAG_HI], tags[:, 1]))
@@ -113,7 +111,7 @@ def read_carry(table: BufferValue, tags: TensorValue, ring_rows: TensorValue, la
     count = ops.where(valid, entry[:, COUNT], zero)
     in_half_1 = ops.broadcast_to(ops.unsqueeze(ops.equal(last, _u32(1, device)), 0), [layers, rows.shape[1]])
     first, second = rows[:layers], rows[layers:]
-    return RingCarry(table=loaded, block=block, tags=tags, last=last, count=count,
+    return RingCarry(block=block, tags=tags, last=last, count=count,
                      current_rows=ops.where(in_half_1, first, second),
                      previous_rows=ops.where(in_half_1, second, first))
 
@@ -141,4 +139,9 @@ def write_carry(table: BufferValue, carry: RingCarry, counts: TensorValue) -> No
     last = ops.where(swap, one - carry.last, carry.last)
     entries = ops.stack([carry.tags[:, 0], carry.tags[:, 1], last, counts[:, 0]], axis=1)
     index = ops.unsqueeze(carry.block.cast(DType.int64), 1)
-    ops.buffer_store(table, ops.scatter_nd(carry.table, entries, index))
+    # The table is read again here rather than scattered into the value read_carry
+    # loaded at the start of the step: nothing writes it in between, but a store derived
+    # from that early load, across the whole step's graph, crashes MAX 26.7's compiler:
+    # a segmentation fault inside session.load, seven seconds into compiling the fused
+    # MTP graph for the CPU, and the fused server's model worker on an H100 the same way.
+    ops.buffer_store(table, ops.scatter_nd(ops.buffer_load(table), entries, index))

@@ -44,7 +44,7 @@ def fold_block_threads[
 
 @always_inline
 def record_of[
-    RING_LEN: Int, PATH: Bool
+    PATH: Bool
 ](nodes: Pointer[UInt32, ImmutAnyOrigin], nodes_at: Int, t: Int) -> Int:
     """The record folded t-th: t along a chain, or the path's t-th node (`nodes` at
     `nodes_at` is the request's row of accepted_nodes, checked by the caller). Without
@@ -73,7 +73,7 @@ def path_is_valid[
 
 @always_inline
 def stage_vectors[
-    COUNT: Int, THREADS: Int, RING_LEN: Int = 1, PATH: Bool = False
+    COUNT: Int, THREADS: Int, PATH: Bool = False
 ](
     dst: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     ring: Pointer[Float32, ImmutAnyOrigin],
@@ -87,7 +87,8 @@ def stage_vectors[
     nodes_at: Int,
 ):
     """Copies `field_len` floats at `field_at` of each of the first `accepted` records
-    to fold (record_of) to shared memory, in the order folded.
+    to fold (record_of: `nodes` at `nodes_at` with PATH) to shared memory, in the order
+    folded.
 
     COUNT bounds the 16-byte vectors over every possible row; the loop is unrolled
     so that every load a thread makes is in flight at once.
@@ -98,7 +99,7 @@ def stage_vectors[
         if v < accepted * vectors_per_record:
             var t = v // vectors_per_record
             var within = (v % vectors_per_record) * RECORD_VEC
-            var record = record_of[RING_LEN, PATH](nodes, nodes_at, t)
+            var record = record_of[PATH](nodes, nodes_at, t)
             var value = ring.unsafe_load[width=RECORD_VEC, alignment=16](
                 record_base + record * record_stride + field_at + within
             )
@@ -205,16 +206,16 @@ def fold_block[
         alignment = 16 if CHANNEL else 4,
         address_space=AddressSpace.SHARED,
     ]()
-    stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS, RING_LEN, PATH](
+    stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS, PATH](
         keys, ring, record_base, record_stride, key_offset() + tile_base,
         KEY_DIM_TILE, accepted, tid, accepted_nodes, nodes_at,
     )
-    stage_vectors[RING_LEN * V // RECORD_VEC, THREADS, RING_LEN, PATH](
+    stage_vectors[RING_LEN * V // RECORD_VEC, THREADS, PATH](
         deltas, ring, record_base, record_stride, delta_offset[K, V](group_slot),
         V, accepted, tid, accepted_nodes, nodes_at,
     )
     comptime if CHANNEL:
-        stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS, RING_LEN, PATH](
+        stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS, PATH](
             decays, ring, record_base, record_stride,
             channel_decay_offset[K, V](group_size, group_slot) + tile_base,
             KEY_DIM_TILE, accepted, tid, accepted_nodes, nodes_at,
@@ -226,7 +227,7 @@ def fold_block[
             var t = tid + s * THREADS
             if t < accepted:
                 decays[unsafe_offset=t] = ring[unsafe_offset=
-                    record_base + record_of[RING_LEN, PATH](accepted_nodes, nodes_at, t) * record_stride
+                    record_base + record_of[PATH](accepted_nodes, nodes_at, t) * record_stride
                     + decay_offset[K, V](group_size, group_slot)
                 ]
     barrier()

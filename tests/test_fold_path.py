@@ -243,7 +243,7 @@ def test_cpu_op_refuses_a_bad_path_before_writing(cpu_folder: StateFolder, eager
     assert_bits_equal(state, case.state_in)
 
 
-#: (shape of accepted_nodes, error pattern) refused while the graph is built.
+#: (shape of a uint32 accepted_nodes, error pattern) refused while the graph is built.
 BAD_TABLE_SHAPES = [
     ([BATCH], rf"accepted_nodes: expected rank 2 \[batch, RING_LEN\], got shape \[{BATCH}\]"),
     ([BATCH, RING_LEN + 1], rf"accepted_nodes: shape \[{BATCH}, {RING_LEN + 1}\] is not \[batch, RING_LEN\] ="
@@ -252,16 +252,20 @@ BAD_TABLE_SHAPES = [
 ]
 
 
-def test_graph_refuses_a_path_table_of_a_wrong_shape() -> None:
-    """(One graph for every shape: each graph loads the kernel package.)"""
+def test_graph_refuses_a_path_table_of_a_wrong_shape_or_dtype() -> None:
+    """(One graph for every case: each graph loads the kernel package.)"""
     cpu = DeviceRef.CPU()
     tables = [TensorType(DType.uint32, [LAYERS, BATCH], cpu), TensorType(DType.uint32, [LAYERS, BATCH], cpu),
               TensorType(DType.uint32, [BATCH], cpu)]
+    bad = [*((TensorType(DType.uint32, shape, cpu), pattern) for shape, pattern in BAD_TABLE_SHAPES),
+           (TensorType(DType.float32, [BATCH, RING_LEN], cpu),
+            r"accepted_nodes: dtype DType.float32 is not an integer dtype")]
     inputs = [BufferType(DType.float32, [8, 4, 64, 64], cpu), BufferType(DType.float32, [8, 2, RING_LEN, 224], cpu),
-              *tables, *(TensorType(DType.uint32, shape, cpu) for shape, _ in BAD_TABLE_SHAPES)]
+              *tables, *(table for table, _ in bad)]
     with Graph("bad_path_tables", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
         state, ring, *values = graph.inputs
-        for (_, pattern), nodes in zip(BAD_TABLE_SHAPES, values[3:], strict=True):
+        for (_, pattern), nodes in zip(bad, values[3:], strict=True):
             with pytest.raises(ValueError, match=pattern):
                 state_fold(state.buffer, ring.buffer, *(t.tensor for t in values[:3]), accepted_nodes=nodes.tensor)
         graph.output()
+

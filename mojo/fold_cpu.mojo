@@ -1,4 +1,8 @@
-"""The fold on the CPU: parallel over (layer, request, value head), SIMD along V."""
+"""The fold on the CPU: parallel over (layer, request, value head), SIMD along V.
+
+With `PATH` (the fold along an accepted path of a token tree) the t-th record folded is
+record `accepted_nodes[request, t]`, a node run_fold checked before the first store.
+"""
 
 from max.algorithm import sync_parallelize
 from std.math import fma
@@ -14,7 +18,7 @@ comptime CPU_LANES = 8
 
 @always_inline
 def fold_head_cpu[
-    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool = False
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool = False, PATH: Bool = False
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, _],
@@ -24,9 +28,13 @@ def fold_head_cpu[
     accepted: Int,
     group_size: Int,
     group_slot: Int,
+    nodes: Pointer[UInt32, ImmutAnyOrigin],
+    nodes_at: Int,
 ):
-    """Folds `accepted` records (1 to RING_LEN, record t at `record_base + t *
-    record_stride`) into one value head's [K, V] block at `state_base`, row by row.
+    """Folds `accepted` records (1 to RING_LEN, record r at `record_base + r *
+    record_stride`) into one value head's [K, V] block at `state_base`, row by row: the
+    first `accepted`, or with PATH records `nodes[nodes_at + t]` for t in order (`nodes`
+    is not read without PATH).
 
     With `CHANNEL` (per-channel gates) a record holds K decays per value head and row i
     decays by the i-th. The caller sets the float control (keep_subnormals) around it."""
@@ -45,7 +53,10 @@ def fold_head_cpu[
     comptime if CHANNEL:
         decay_at = channel_decay_offset[K, V](group_size, group_slot)
     for t in range(accepted):
-        var record = record_base + t * record_stride
+        var node = t
+        comptime if PATH:
+            node = Int(nodes[unsafe_offset=nodes_at + t])
+        var record = record_base + node * record_stride
         comptime if CHANNEL:
             for i in range(0, K, CPU_LANES):
                 decays.unsafe_store(t * K + i, ring.unsafe_load[width=CPU_LANES](record + decay_at + i))
@@ -77,21 +88,23 @@ def fold_head_cpu[
 
 
 def fold_cpu[
-    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool = False
+    state_dtype: DType, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool = False, PATH: Bool = False
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, ImmutAnyOrigin],
     row_ids: Pointer[UInt32, ImmutAnyOrigin],
     ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    accepted_nodes: Pointer[UInt32, ImmutAnyOrigin],
     num_layers: Int,
     batch: Int,
     num_value_heads: Int,
     num_key_heads: Int,
     record_stride: Int,
 ):
-    """Folds every (layer, request, value head) block; ids were validated. `CHANNEL`:
-    the records hold per-channel decays (fold_head_cpu)."""
+    """Folds every (layer, request, value head) block; ids (and with PATH the paths of
+    `accepted_nodes`, [batch, RING_LEN]) were validated. `CHANNEL`: the records hold
+    per-channel decays (fold_head_cpu)."""
     var group_size = num_value_heads // num_key_heads
 
     def fold_one_head(item: Int) {imm}:
@@ -109,9 +122,9 @@ def fold_cpu[
             Int(ring_row_ids[unsafe_offset=pair]), num_key_heads, key_head, record_stride
         )
         var saved_control = keep_subnormals()
-        fold_head_cpu[state_dtype, K, V, RING_LEN, CHANNEL](
+        fold_head_cpu[state_dtype, K, V, RING_LEN, CHANNEL, PATH](
             state, ring, state_base, record_base, record_stride, accepted, group_size,
-            value_head % group_size,
+            value_head % group_size, accepted_nodes, request * RING_LEN,
         )
         write_float_control(saved_control)
 

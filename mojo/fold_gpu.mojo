@@ -10,6 +10,13 @@ records in order and stores each vector once.
 
 With `CHANNEL` (per-channel gates) a record holds K decays per value head; the block
 stages the tile's KEY_DIM_TILE of them, and row i of the tile decays by its own.
+
+With `PATH` (fold_path_gpu_kernel, the fold along an accepted path of a token tree) the
+t-th record folded is record `accepted_nodes[request, t]` rather than record t. A path
+in topological order names nodes of the ring in increasing order; a request whose path
+does not (a node past RING_LEN, or one not after the node before it) is skipped as a
+whole, its rows not read or written, so no bad node is followed to another record.
+Both kernels are fold_block with PATH fixed, so the chain's kernel is what it was.
 """
 
 from max.gpu import barrier, block_idx, thread_idx
@@ -36,8 +43,37 @@ def fold_block_threads[
 
 
 @always_inline
+def record_of[
+    PATH: Bool
+](nodes: Pointer[UInt32, ImmutAnyOrigin], nodes_at: Int, t: Int) -> Int:
+    """The record folded t-th: t along a chain, or the path's t-th node (`nodes` at
+    `nodes_at` is the request's row of accepted_nodes, checked by the caller). Without
+    PATH `nodes` is not read."""
+    comptime if PATH:
+        return Int(nodes[unsafe_offset=nodes_at + t])
+    else:
+        return t
+
+
+@always_inline
+def path_is_valid[
+    RING_LEN: Int
+](nodes: Pointer[UInt32, ImmutAnyOrigin], nodes_at: Int, accepted: Int) -> Bool:
+    """Whether the first `accepted` nodes at `nodes_at` are nodes of the ring in
+    increasing order: a path's nodes in topological order, so no record is folded twice
+    or out of order and none lies past the ring."""
+    var previous = -1
+    for t in range(accepted):
+        var node = Int(nodes[unsafe_offset=nodes_at + t])
+        if node <= previous or node >= RING_LEN:
+            return False
+        previous = node
+    return True
+
+
+@always_inline
 def stage_vectors[
-    COUNT: Int, THREADS: Int
+    COUNT: Int, THREADS: Int, PATH: Bool = False
 ](
     dst: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     ring: Pointer[Float32, ImmutAnyOrigin],
@@ -47,9 +83,12 @@ def stage_vectors[
     field_len: Int,
     accepted: Int,
     tid: Int,
+    nodes: Pointer[UInt32, ImmutAnyOrigin],
+    nodes_at: Int,
 ):
-    """Copies `field_len` floats at `field_at` of each of the first `accepted` ring
-    records to shared memory, record after record.
+    """Copies `field_len` floats at `field_at` of each of the first `accepted` records
+    to fold (record_of: `nodes` at `nodes_at` with PATH) to shared memory, in the order
+    folded.
 
     COUNT bounds the 16-byte vectors over every possible row; the loop is unrolled
     so that every load a thread makes is in flight at once.
@@ -60,26 +99,30 @@ def stage_vectors[
         if v < accepted * vectors_per_record:
             var t = v // vectors_per_record
             var within = (v % vectors_per_record) * RECORD_VEC
+            var record = record_of[PATH](nodes, nodes_at, t)
             var value = ring.unsafe_load[width=RECORD_VEC, alignment=16](
-                record_base + t * record_stride + field_at + within
+                record_base + record * record_stride + field_at + within
             )
             dst.unsafe_store[alignment=16](t * field_len + within, value)
 
 
-def fold_gpu_kernel[
+@always_inline
+def fold_block[
     state_dtype: DType,
     K: Int,
     V: Int,
     RING_LEN: Int,
     KEY_DIM_TILE: Int,
     ROWS_PER_THREAD: Int,
-    CHANNEL: Bool = False,
+    CHANNEL: Bool,
+    PATH: Bool,
 ](
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
     ring: Pointer[Float32, ImmutAnyOrigin],
     row_ids: Pointer[UInt32, ImmutAnyOrigin],
     ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
     num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    accepted_nodes: Pointer[UInt32, ImmutAnyOrigin],
     batch_i32: Int32,
     num_rows_i32: Int32,
     num_ring_rows_i32: Int32,
@@ -87,6 +130,8 @@ def fold_gpu_kernel[
     num_key_heads_i32: Int32,
     record_stride_i32: Int32,
 ):
+    """One block of the fold (the module docstring). `accepted_nodes` is read only with
+    PATH."""
     # Sizes cross to the device as Int32; offsets are computed in Int (64-bit).
     var batch = Int(batch_i32)
     var num_value_heads = Int(num_value_heads_i32)
@@ -112,6 +157,12 @@ def fold_gpu_kernel[
     # Ids inside a graph are trusted for speed but never followed out of bounds.
     if row >= Int(num_rows_i32) or ring_row >= Int(num_ring_rows_i32):
         return
+    # The request's row of accepted_nodes ([batch, RING_LEN]); every thread reads the
+    # same nodes, so a bad path sends the whole block away before any load or barrier.
+    var nodes_at = request * RING_LEN
+    comptime if PATH:
+        if not path_is_valid[RING_LEN](accepted_nodes, nodes_at, accepted):
+            return
 
     var tid = Int(thread_idx.x)
     var column = (tid % COLUMN_THREADS) * VEC
@@ -155,19 +206,19 @@ def fold_gpu_kernel[
         alignment = 16 if CHANNEL else 4,
         address_space=AddressSpace.SHARED,
     ]()
-    stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS](
+    stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS, PATH](
         keys, ring, record_base, record_stride, key_offset() + tile_base,
-        KEY_DIM_TILE, accepted, tid,
+        KEY_DIM_TILE, accepted, tid, accepted_nodes, nodes_at,
     )
-    stage_vectors[RING_LEN * V // RECORD_VEC, THREADS](
+    stage_vectors[RING_LEN * V // RECORD_VEC, THREADS, PATH](
         deltas, ring, record_base, record_stride, delta_offset[K, V](group_slot),
-        V, accepted, tid,
+        V, accepted, tid, accepted_nodes, nodes_at,
     )
     comptime if CHANNEL:
-        stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS](
+        stage_vectors[RING_LEN * KEY_DIM_TILE // RECORD_VEC, THREADS, PATH](
             decays, ring, record_base, record_stride,
             channel_decay_offset[K, V](group_size, group_slot) + tile_base,
-            KEY_DIM_TILE, accepted, tid,
+            KEY_DIM_TILE, accepted, tid, accepted_nodes, nodes_at,
         )
     else:
         # A block of a small head can hold fewer threads than records (K = V = 8 in bf16
@@ -176,7 +227,7 @@ def fold_gpu_kernel[
             var t = tid + s * THREADS
             if t < accepted:
                 decays[unsafe_offset=t] = ring[unsafe_offset=
-                    record_base + t * record_stride
+                    record_base + record_of[PATH](accepted_nodes, nodes_at, t) * record_stride
                     + decay_offset[K, V](group_size, group_slot)
                 ]
     barrier()
@@ -197,3 +248,63 @@ def fold_gpu_kernel[
     comptime for m in range(ROWS_PER_THREAD):
         var at = state_base + (tile_base + row_group + m * ROW_THREADS) * V + column
         state.unsafe_store[alignment=16](at, held[m].cast[state_dtype]())
+
+
+def fold_gpu_kernel[
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    KEY_DIM_TILE: Int,
+    ROWS_PER_THREAD: Int,
+    CHANNEL: Bool = False,
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch_i32: Int32,
+    num_rows_i32: Int32,
+    num_ring_rows_i32: Int32,
+    num_value_heads_i32: Int32,
+    num_key_heads_i32: Int32,
+    record_stride_i32: Int32,
+):
+    """The fold of the first num_accepted[b] records (a chain)."""
+    # num_accepted stands in for the node table, which a chain's block does not read.
+    fold_block[state_dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, CHANNEL, False](
+        state, ring, row_ids, ring_row_ids, num_accepted, num_accepted, batch_i32,
+        num_rows_i32, num_ring_rows_i32, num_value_heads_i32, num_key_heads_i32,
+        record_stride_i32,
+    )
+
+
+def fold_path_gpu_kernel[
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    KEY_DIM_TILE: Int,
+    ROWS_PER_THREAD: Int,
+    CHANNEL: Bool = False,
+](
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    num_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    accepted_nodes: Pointer[UInt32, ImmutAnyOrigin],
+    batch_i32: Int32,
+    num_rows_i32: Int32,
+    num_ring_rows_i32: Int32,
+    num_value_heads_i32: Int32,
+    num_key_heads_i32: Int32,
+    record_stride_i32: Int32,
+):
+    """The fold of the records `accepted_nodes[b, :num_accepted[b]]`, in that order."""
+    fold_block[state_dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, CHANNEL, True](
+        state, ring, row_ids, ring_row_ids, num_accepted, accepted_nodes, batch_i32,
+        num_rows_i32, num_ring_rows_i32, num_value_heads_i32, num_key_heads_i32,
+        record_stride_i32,
+    )

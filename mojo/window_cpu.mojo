@@ -194,6 +194,8 @@ def windows_cpu[
                     accepted,
                     group_size,
                     value_head % group_size,
+                    previous_accepted,  # not read: the previous step's records are a chain
+                    0,
                 )
         for block in range(BLOCKS):
             run_block(request, value_head, head_base, block)

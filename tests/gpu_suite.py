@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: and took 123 s spread over 14 workers on an H100 (bench/results/gpu-tests-window-h100-2026-12-06.txt).
 GROUPS: dict[str, tuple[list[str], str]] = {
     "fold": (["test_fold_gpu.py", "test_fold_channel.py", "test_fold_graph_tables.py", "test_fold_max_parity.py",
-              "test_sharded.py", "test_bench_shards.py"], "loadfile"),
+              "test_fold_path.py", "test_sharded.py", "test_bench_shards.py"], "loadfile"),
     "window": (["test_window_cpu_gpu.py", "test_window_channel.py", "test_window_max_parity.py",
                 "test_window_channel_max_parity.py"], "load"),
     "range": (["test_range_fold.py", "test_range_verify.py", "test_range_forward.py"], "load"),

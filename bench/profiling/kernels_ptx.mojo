@@ -1,15 +1,16 @@
 """Prints the sm_90a PTX of every GPU kernel family at Qwen3-Next's shapes (K = V = 128,
-RING_LEN 4), each after a `// kernel:` line: the fold (head and per-channel gates), the
-latency kernel (verify, verify with fold on load and forward; head and per-channel gates;
-four columns a thread, and two), and the throughput kernel (each op; head and
-per-channel gates), in fp32 and bf16 pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+RING_LEN 4), each after a `// kernel:` line: the fold (head and per-channel gates; along a
+chain and, last, along a token tree's accepted path), the latency kernel (verify, verify
+with fold on load and forward; head and per-channel gates; four columns a thread, and
+two), and the throughput kernel (each op; head and per-channel gates), in fp32 and bf16
+pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
 """
 
 from max.gpu.host.compile import _compile_code, get_gpu_target
-from mojo.fold_gpu import fold_gpu_kernel
+from mojo.fold_gpu import fold_gpu_kernel, fold_path_gpu_kernel
 from mojo.window_gpu import windows_gpu_kernel
 from mojo.window_gpu_latency import windows_gpu_latency_kernel
 
@@ -21,6 +22,11 @@ def op_name(record: Bool, fold_previous: Bool) -> String:
 def fold[dtype: DType, tile: Int, rows: Int, channel: Bool]():
     print("// kernel: fold,", dtype, "tile", tile, "x", rows, "channel" if channel else "head")
     print(_compile_code[fold_gpu_kernel[dtype, 128, 128, 4, tile, rows, channel], target=get_gpu_target["sm_90a"]()]().asm)
+
+
+def fold_path[dtype: DType, tile: Int, rows: Int, channel: Bool]():
+    print("// kernel: fold along a path,", dtype, "tile", tile, "x", rows, "channel" if channel else "head")
+    print(_compile_code[fold_path_gpu_kernel[dtype, 128, 128, 4, tile, rows, channel], target=get_gpu_target["sm_90a"]()]().asm)
 
 
 def latency[dtype: DType, record: Bool, fold_previous: Bool, cv: Int, channel: Bool]():
@@ -68,3 +74,8 @@ def main():
         comptime dtype = DType.float32 if d == 0 else DType.bfloat16
         comptime for op in range(3):
             throughput[dtype, op < 2, op == 0, 64, True]()
+    # The fold along a token tree's accepted path, last for the same reason.
+    fold_path[DType.float32, 64, 8, False]()
+    fold_path[DType.bfloat16, 128, 16, False]()
+    fold_path[DType.float32, 64, 8, True]()
+    fold_path[DType.bfloat16, 128, 16, True]()

@@ -116,6 +116,8 @@ def check_path_nodes(accepted_nodes: NDArray, num_accepted: NDArray, ring_len: i
         ValueError: naming ``accepted_nodes``, the request and the bad value.
     """
     accepted_nodes = _request_table("accepted_nodes", accepted_nodes, len(np.asarray(num_accepted)), ring_len)
+    if not np.issubdtype(accepted_nodes.dtype, np.integer):
+        raise ValueError(f"accepted_nodes: expected an integer table, got {accepted_nodes.dtype}")
     for b, count in enumerate(int(n) for n in np.asarray(num_accepted)):
         if not 0 < count <= ring_len:
             continue

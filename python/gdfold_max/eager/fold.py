@@ -19,6 +19,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from ..layout import Gate, check_gate
 from ..ops.fold import check_table_shapes, fold_parameters, state_fold
 from ..ops.kernels import kernels_path
+from ..trees import check_path_nodes
 from .base import (
     ArrayOrBuffer,
     CompiledGraphs,
@@ -42,6 +43,8 @@ class FoldCall:
     num_accepted: np.ndarray
     parameters: dict[str, int]
     gate: Gate = "head"
+    #: The accepted paths, ``[batch, RING_LEN]`` uint32, or None for the chain's fold.
+    accepted_nodes: np.ndarray | None = None
 
 
 def validate_fold(
@@ -54,6 +57,7 @@ def validate_fold(
     key_dim_tile: int | None = None,
     rows_per_thread: int | None = None,
     gate: Gate = "head",
+    accepted_nodes: Any = None,
 ) -> FoldCall:
     """Checks every operand of a fold on the host; raises before anything is written."""
     check_gate(gate)
@@ -68,7 +72,18 @@ def validate_fold(
     check_table_shapes(list(ids.shape), list(ring_ids.shape), list(accepted.shape))
     check_ids("row_ids", ids, rows)
     check_ids("ring_row_ids", ring_ids, ring_rows)
-    return FoldCall(state, ring_op, ids, ring_ids, accepted, parameters, gate)
+    nodes = None if accepted_nodes is None else path_table(accepted_nodes, accepted, parameters["RING_LEN"])
+    return FoldCall(state, ring_op, ids, ring_ids, accepted, parameters, gate, nodes)
+
+
+def path_table(accepted_nodes: Any, num_accepted: np.ndarray, ring_len: int) -> np.ndarray:
+    """``accepted_nodes`` as the uint32 table the op reads, refused unless it is an
+    integer ``[batch, RING_LEN]`` table whose paths that fold (1 to RING_LEN nodes) name
+    nodes 0 to RING_LEN - 1 in increasing order (``trees.check_path_nodes``). Entries
+    past a path are not read, so any integer may pad them (SGLang pads with -1)."""
+    nodes = np.asarray(accepted_nodes)
+    check_path_nodes(nodes, num_accepted, ring_len)
+    return np.ascontiguousarray(nodes.astype(np.uint32))
 
 
 class StateFolder(CompiledGraphs):
@@ -94,12 +109,13 @@ class StateFolder(CompiledGraphs):
         self.key_dim_tile = key_dim_tile
         self.rows_per_thread = rows_per_thread
 
-    def model(self, state_dtype: DType, parameters: dict[str, int], gate: Gate = "head") -> Model:
-        """The compiled fold for these static dims, compiled on first use."""
-        key = (state_dtype, gate, *sorted(parameters.items()))
-        return self.compiled(key, lambda: self._build(state_dtype, parameters, gate))
+    def model(self, state_dtype: DType, parameters: dict[str, int], gate: Gate = "head", path: bool = False) -> Model:
+        """The compiled fold for these static dims, compiled on first use; ``path``: the
+        fold along accepted paths (an ``accepted_nodes`` input after ``num_accepted``)."""
+        key = (state_dtype, gate, path, *sorted(parameters.items()))
+        return self.compiled(key, lambda: self._build(state_dtype, parameters, gate, path))
 
-    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate) -> Graph:
+    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate, path: bool = False) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
         inputs = [
@@ -109,9 +125,11 @@ class StateFolder(CompiledGraphs):
             TensorType(DType.uint32, ["layers", "batch"], where),
             TensorType(DType.uint32, ["batch"], where),
         ]
-        name = f"gdfold_fold_{gate}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
+        if path:
+            inputs.append(TensorType(DType.uint32, ["batch", ring_len], where))
+        name = f"gdfold_fold{'_path' if path else ''}_{gate}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
         with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
-            state, ring, row_ids, ring_row_ids, accepted = graph.inputs
+            state, ring, row_ids, ring_row_ids, accepted, *nodes = graph.inputs
             state_fold(
                 state.buffer,
                 ring.buffer,
@@ -121,6 +139,7 @@ class StateFolder(CompiledGraphs):
                 key_dim_tile=parameters.get("KEY_DIM_TILE"),
                 rows_per_thread=parameters.get("ROWS_PER_THREAD"),
                 gate=gate,
+                accepted_nodes=nodes[0].tensor if nodes else None,
             )
             graph.output()
         return graph
@@ -134,6 +153,7 @@ class StateFolder(CompiledGraphs):
         num_accepted: Any,
         *,
         gate: Gate = "head",
+        accepted_nodes: Any = None,
     ) -> ArrayOrBuffer:
         """Folds ``recurrent_state`` in place and returns it.
 
@@ -144,17 +164,24 @@ class StateFolder(CompiledGraphs):
             row_ids, ring_row_ids: ``[num_layers, batch]`` integer tables.
             num_accepted: ``[batch]`` integer counts.
             gate: ``"head"``, or ``"channel"`` for per-channel records.
+            accepted_nodes: optional ``[batch, RING_LEN]`` integer table: request ``b``
+                folds records ``accepted_nodes[b, :num_accepted[b]]`` in that order (an
+                accepted path of a token tree, ``gdfold_max.trees``), each path checked
+                to name nodes 0 to RING_LEN - 1 in increasing order.
 
         Raises:
             TypeError, ValueError: naming the bad argument; nothing is written.
         """
         call = validate_fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, self.device,
-                             self.key_dim_tile, self.rows_per_thread, gate)
+                             self.key_dim_tile, self.rows_per_thread, gate, accepted_nodes)
         if call.row_ids.size == 0:
             return recurrent_state
-        model = self.model(call.state.dtype, call.parameters, call.gate)
-        self.execute(model, [call.state, call.ring], [call.row_ids, call.ring_row_ids, call.num_accepted],
-                     written=[call.state])
+        path = call.accepted_nodes is not None
+        model = self.model(call.state.dtype, call.parameters, call.gate, path)
+        tables = [call.row_ids, call.ring_row_ids, call.num_accepted]
+        if call.accepted_nodes is not None:
+            tables.append(call.accepted_nodes)
+        self.execute(model, [call.state, call.ring], tables, written=[call.state])
         return recurrent_state
 
 
@@ -175,13 +202,15 @@ def fold(
     *,
     device: DeviceLike = None,
     gate: Gate = "head",
+    accepted_nodes: Any = None,
 ) -> ArrayOrBuffer:
     """Folds the accepted ring records into ``recurrent_state`` in place and returns it.
 
     The eager twin of :func:`gdfold_max.state_fold`, over a cached :class:`StateFolder`
     (the first call per static shape compiles, in about 20 s). ``device`` is ``None``
     (the CPU), ``"cpu"``, ``"gpu"`` or a ``max.driver.Device``; numpy arrays are copied
-    to and from an accelerator.
+    to and from an accelerator. With ``accepted_nodes`` ``[batch, RING_LEN]`` it folds each
+    request's accepted path of a token tree (:meth:`StateFolder.fold`).
 
     Raises:
         TypeError, ValueError: naming the bad argument; the pool and ring are untouched.
@@ -198,4 +227,5 @@ def fold(
         >>> float(state[1, 0, 0, 0]), float(state[1, 1, 0, 0]), float(state[0, 0, 0, 0])
         (1.0, 1.25, 1.0)
     """
-    return folder_for(device).fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, gate=gate)
+    return folder_for(device).fold(recurrent_state, ring, row_ids, ring_row_ids, num_accepted, gate=gate,
+                                   accepted_nodes=accepted_nodes)

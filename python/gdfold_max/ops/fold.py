@@ -14,7 +14,7 @@ from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
 from ..layout import Gate, check_gate
 from .checks import ring_parameters, row_table, shape_text, static_size
-from .kernels import FOLD_CHANNEL_OP_NAME, FOLD_OP_NAME
+from .kernels import FOLD_CHANNEL_OP_NAME, FOLD_OP_NAME, FOLD_PATH_CHANNEL_OP_NAME, FOLD_PATH_OP_NAME
 
 #: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD), measured on an H200 at
 #: Qwen3-Next shapes (bench/tuning/tune_tiles.py). fp32: (64, 8) is 4.5% faster than (128, 8) at
@@ -123,6 +123,22 @@ def check_table_shapes(
         raise ValueError(f"num_accepted: length {count} differs from the batch {batch} of row_ids")
 
 
+def check_path_table_shape(accepted_nodes: Sequence[Dim | int], row_ids: Sequence[Dim | int], ring_len: int) -> None:
+    """Checks that a path table is rank 2 and that its known sizes are ``[batch, RING_LEN]``
+    (the batch of ``row_ids``).
+
+    Raises:
+        ValueError: naming ``accepted_nodes``, its shape and what was expected.
+    """
+    if len(accepted_nodes) != 2:
+        raise ValueError(f"accepted_nodes: expected rank 2 [batch, RING_LEN], got shape {shape_text(accepted_nodes)}")
+    batch, rows = static_size(row_ids[1]), static_size(accepted_nodes[0])
+    nodes = static_size(accepted_nodes[1])
+    if (batch is not None and rows is not None and batch != rows) or (nodes is not None and nodes != ring_len):
+        raise ValueError(f"accepted_nodes: shape {shape_text(accepted_nodes)} is not [batch, RING_LEN] ="
+                         f" {shape_text([row_ids[1], ring_len])}")
+
+
 def state_fold(
     recurrent_state: BufferValue,
     ring: BufferValue,
@@ -134,6 +150,7 @@ def state_fold(
     key_dim_tile: int | None = None,
     rows_per_thread: int | None = None,
     gate: Gate = "head",
+    accepted_nodes: TensorValue | None = None,
 ) -> None:
     """Folds the accepted ring records into the live state pool, for all layers at once.
 
@@ -165,12 +182,23 @@ def state_fold(
             gates: K decays per value head, ``S[i, j] = fma(k[i], u[j], S[i, j] * d[i])``,
             records as ``layout.RecordLayout(..., gate="channel")``), on the CPU and
             the GPU.
+        accepted_nodes: optional ``[batch, RING_LEN]`` integer table (cast to uint32)
+            of accepted paths along token trees (``gdfold_max.trees``): request ``b``
+            folds records ``accepted_nodes[b, :num_accepted[b]]`` in that order instead
+            of the first ``num_accepted[b]``, through ``gdfold_state_fold_path`` (or
+            ``gdfold_state_fold_path_channel``). A path names nodes 0 to RING_LEN - 1 in
+            increasing order (its topological order); entries past ``num_accepted[b]``
+            are not read. ``arange(RING_LEN)`` rows fold what the chain's fold folds,
+            bit for bit.
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, naming
             the argument. At run time on the CPU, the op raises for a row id out of
             range before it writes anything; on the GPU, an out-of-range id makes the
-            kernel skip that (layer, request) and fold every other one.
+            kernel skip that (layer, request) and fold every other one. A path with a
+            node past the ring (a negative entry saturates past it) or out of order is
+            refused in the same way on the CPU; on the GPU that request is skipped in
+            every layer, its rows not read or written.
 
     Example:
         >>> from max.graph import BufferType, DeviceRef, Graph, TensorType
@@ -211,9 +239,14 @@ def state_fold(
         row_table("ring_row_ids", ring_row_ids),
         row_table("num_accepted", num_accepted),
     ]
+    if accepted_nodes is None:
+        name = FOLD_CHANNEL_OP_NAME if gate == "channel" else FOLD_OP_NAME
+    else:
+        check_path_table_shape(list(accepted_nodes.shape), list(row_ids.shape), parameters["RING_LEN"])
+        operands.append(row_table("accepted_nodes", accepted_nodes))
+        name = FOLD_PATH_CHANNEL_OP_NAME if gate == "channel" else FOLD_PATH_OP_NAME
 
     def fold_records() -> None:
-        name = FOLD_CHANNEL_OP_NAME if gate == "channel" else FOLD_OP_NAME
         ops.inplace_custom(name, recurrent_state.device, operands, parameters=parameters)
 
     if verify_width is not None and width is None:

@@ -21,6 +21,10 @@ from pathlib import Path
 FOLD_OP_NAME = "gdfold_state_fold"
 #: The fold with per-channel gates (records with K decays per value head).
 FOLD_CHANNEL_OP_NAME = "gdfold_state_fold_channel"
+#: The folds along an accepted path of a token tree (an ``accepted_nodes`` table beside
+#: ``num_accepted``), head and per-channel gates.
+FOLD_PATH_OP_NAME = "gdfold_state_fold_path"
+FOLD_PATH_CHANNEL_OP_NAME = "gdfold_state_fold_path_channel"
 VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
@@ -31,6 +35,8 @@ CHANNEL_OP_SUFFIX = "_channel"
 REGISTERED_OPS = (
     FOLD_OP_NAME,
     FOLD_CHANNEL_OP_NAME,
+    FOLD_PATH_OP_NAME,
+    FOLD_PATH_CHANNEL_OP_NAME,
     *(name + suffix for name in (VERIFY_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, RECURRENCE_OP_NAME)
       for suffix in ("", CHANNEL_OP_SUFFIX)),
 )

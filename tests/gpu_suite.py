@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import subprocess
 import sys
 import time
@@ -54,6 +55,11 @@ def card() -> str:
 
 
 def commit() -> str:
+    """The commit that runs: ``GPU_SUITE_COMMIT`` where the tree was copied without its own
+    git metadata (or with stale metadata), else what git says of the checkout."""
+    named = os.environ.get("GPU_SUITE_COMMIT")
+    if named:
+        return named
     run = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=ROOT).stdout.strip()

@@ -22,11 +22,10 @@ from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
 
 from conftest import assert_bits_equal
-from gdfold_max import kernels_path, reference, state_fold, verify_ring
+from gdfold_max import kernels_path, reference, state_fold, verify_ring, verify_tree
 from gdfold_max.cases import WindowCase, random_accepted_nodes, random_parents, random_window_case
 from gdfold_max.eager.window import WindowRunner, runner_for, validate_window
 from gdfold_max.layout import Gate
-from gdfold_max.ops.window import verify_tree
 from gdfold_max.trees import chain_parents
 from range_matrix import Call, run_many
 
@@ -292,6 +291,17 @@ def test_eager_refuses_bad_input_untouched(runner: WindowRunner, eager_case: tup
     state, ring = case.fresh()
     with pytest.raises(ValueError, match=pattern):
         run_eager(runner, case, parents, nodes, recurrent_state=state, ring=ring, **changes)
+    assert_bits_equal(state, case.state)
+    assert_bits_equal(ring, case.ring, "ring")
+
+
+@pytest.mark.gpu
+def test_eager_refuses_a_gpu(eager_case: tuple) -> None:
+    """The tree verify has no GPU kernel yet: a runner on a GPU refuses it, nothing written."""
+    case, parents, nodes, _ = eager_case
+    state, ring = case.fresh()
+    with pytest.raises(ValueError, match=r"the tree verify \(verify_tree\) runs on the CPU only for now"):
+        run_eager(runner_for("gpu"), case, parents, nodes, recurrent_state=state, ring=ring)
     assert_bits_equal(state, case.state)
     assert_bits_equal(ring, case.ring, "ring")
 

@@ -1,12 +1,13 @@
 """The GPU test suite in named groups, each sized to finish within 10 minutes on one GPU
 (most of a group's time is MAX compiling graphs on the host's cores).
 
-    python tests/gpu_suite.py GROUP [GROUP ...] [--out DIR] [--workers N]
+    python tests/gpu_suite.py GROUP [GROUP ...] [--out DIR] [--workers N] [-k EXPR]
     python tests/gpu_suite.py --list
 
 Each group runs ``pytest -m gpu -rA`` over its files, so every test is named with its
 outcome, and writes ``DIR/gpu-tests-GROUP.txt``: the command, the card, the date and the
-commit, then pytest's output, then the outcome line. A group that pytest did not finish
+commit, then pytest's output, then the outcome line (with ``-k``, some of the group's
+tests, in ``DIR/gpu-tests-GROUP-selected.txt``). A group that pytest did not finish
 (killed at a limit) has no outcome line: it is evidence of nothing.
 """
 
@@ -59,15 +60,17 @@ def commit() -> str:
     return (run.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
 
 
-def command(group: str, workers: int) -> list[str]:
+def command(group: str, workers: int, select: str | None = None) -> list[str]:
     files, dist = GROUPS[group]
+    chosen = ["-k", select] if select else []
     return [sys.executable, "-m", "pytest", "-m", "gpu", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
-            "-n", str(workers), "--dist", dist, *(f"tests/{name}" for name in files)]
+            "-n", str(workers), "--dist", dist, *chosen, *(f"tests/{name}" for name in files)]
 
 
-def run_group(group: str, out: Path, workers: int) -> int:
-    argv = command(group, workers)
-    log = out / f"gpu-tests-{group}.txt"
+def run_group(group: str, out: Path, workers: int, select: str | None = None) -> int:
+    argv = command(group, workers, select)
+    # A rerun of some of a group's tests never overwrites the whole group's results.
+    log = out / f"gpu-tests-{group}{'-selected' if select else ''}.txt"
     started = time.monotonic()
     with log.open("w") as stream:
         stream.write(f"# {' '.join(argv[1:])}\n# {card()}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC;"
@@ -83,6 +86,8 @@ def main() -> int:
     parser.add_argument("groups", nargs="*", metavar="GROUP", help=f"one of: {', '.join(GROUPS)}")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("-k", dest="select", metavar="EXPR",
+                        help="only the tests pytest's -k EXPR selects (results in gpu-tests-GROUP-selected.txt)")
     parser.add_argument("--list", action="store_true", help="print each group's files and exit")
     args = parser.parse_args()
     if args.list or not args.groups:
@@ -93,7 +98,7 @@ def main() -> int:
     if unknown:
         parser.error(f"GROUP: {', '.join(unknown)} is not one of {', '.join(GROUPS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    return max(run_group(group, args.out, args.workers) for group in args.groups)
+    return max(run_group(group, args.out, args.workers, args.select) for group in args.groups)
 
 
 if __name__ == "__main__":

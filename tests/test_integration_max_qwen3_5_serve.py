@@ -720,11 +720,9 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
 
         async def everything() -> dict:
             deadline = time.monotonic() + READY_S
-            # The first server compiles alone; the others start once it is up, so that no
-            # two servers compile the same graph at once: two fused servers doing so both
-            # crashed (a segmentation fault after their graphs were built, before MAX logged
-            # their compile; bench/results/gpu-tests-max-serve-h100-2026-12-06.txt), and
-            # whether compiling side by side is the cause is not yet known.
+            # The first server compiles alone and the others start once it is up: they
+            # then find MAX's compiled graphs in its cache, and a crash while compiling
+            # shows in one log, not several.
             start(names[0])
             await ready(servers[names[0]], deadline)
             for name in names[1:]:

@@ -1,17 +1,18 @@
 """Small eager runs of every GPU kernel path, each checked bit for bit against the numpy
 reference: the fold (fp32 and bf16 pools, and heads as small as K = V = 8 with 16
-records), the verify, the verify with fold on load and the forward (fp32 and bf16 pools,
-a ragged batch with a window past RING_LEN and an empty one), on the two GPU window
-kernels (the latency and throughput kernels, each forced), the throughput kernel with
-claimed units (more units than resident blocks at a narrow column tile), and per-channel
-gates (the fold, and the verify, fold on load and forward on each window kernel). Then what
-only a graph reaches (the eager API refuses bad ids on the host): ids past the pool or the ring in
-GPU graphs of every op and kernel (``skips``), and two requests on one row, which race by
-contract (``shared-row``: memcheck only). Small enough to run under compute-sanitizer
-(sanitize.sh), which runs the groups side by side:
+records), the fold along a token tree's accepted paths, the verify, the verify with fold
+on load and the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN
+and an empty one), on the two GPU window kernels (the latency and throughput kernels,
+each forced), the throughput kernel with claimed units (more units than resident blocks
+at a narrow column tile), and per-channel gates (the fold, and the verify, fold on load
+and forward on each window kernel). Then what only a graph reaches (the eager API refuses
+bad ids on the host): ids past the pool or the ring in GPU graphs of every op and kernel
+(``skips``), and two requests on one row, which race by contract (``shared-row``:
+memcheck only). Small enough to run under compute-sanitizer (sanitize.sh), which runs
+the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold latency throughput claimed channel skips shared-row
+    # fold path latency throughput claimed channel skips shared-row
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from max.driver import CPU
 from max.dtype import DType
 
 from gdfold_max import WindowRunner, fold, folder_for, reference, runner_for
-from gdfold_max.cases import WindowCase, random_fold_case, random_window_case
+from gdfold_max.cases import WindowCase, random_accepted_nodes, random_fold_case, random_parents, random_window_case
 from gdfold_max.eager.base import copy_back, host_buffer
 from gdfold_max.eager.fold import validate_fold
 from gdfold_max.layout import Gate
@@ -55,6 +56,25 @@ def run_folds(gate: Gate) -> None:
             state = case.state_in.copy()
             fold(state, case.ring, case.row_ids, case.ring_row_ids, case.num_accepted, device="gpu", gate=gate)
             same_bits(state, case.state_out, f"fold, {label}{dtype} pool, {gate} gates")
+
+
+def run_path_folds() -> None:
+    """The fold along a random tree's accepted paths (the path kernel), both gates, on the
+    fold's shapes: each request folds the records its path names, not the first ones."""
+    for seed, shape, counts, label in FOLD_CASES:
+        ring_len = shape.get("ring_len", 4)
+        for gate in ("head", "channel"):
+            for dtype in ("float32", "bfloat16"):
+                case = random_fold_case(seed, layers=2, batch=4, state_dtype=dtype, num_accepted=counts, gate=gate,
+                                        **shape)
+                windows = [ring_len] * 4
+                nodes, kept = random_accepted_nodes(seed, random_parents(seed, windows, ring_len), windows)
+                want = reference.fold(case.state_in.copy(), case.ring, case.row_ids, case.ring_row_ids, kept,
+                                      gate=gate, accepted_nodes=nodes)
+                state = case.state_in.copy()
+                fold(state, case.ring, case.row_ids, case.ring_row_ids, kept, device="gpu", gate=gate,
+                     accepted_nodes=nodes)
+                same_bits(state, want, f"fold along paths {kept.tolist()}, {label}{dtype} pool, {gate} gates")
 
 
 def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:
@@ -190,6 +210,7 @@ def run_shared_row() -> None:
 
 GROUPS = {
     "fold": lambda: run_folds("head"),
+    "path": run_path_folds,
     "latency": lambda: run_windows("latency kernel", WindowRunner("gpu", gpu_path="latency")),
     "throughput": lambda: run_windows("throughput kernel", WindowRunner("gpu", gpu_path="throughput")),
     "claimed": lambda: run_windows("claimed units", WindowRunner("gpu", column_tile=8, requests_per_block=3,

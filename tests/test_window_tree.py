@@ -26,6 +26,7 @@ from gdfold_max import kernels_path, reference, state_fold, verify_ring, verify_
 from gdfold_max.cases import WindowCase, random_accepted_nodes, random_parents, random_window_case
 from gdfold_max.eager.window import WindowRunner, runner_for, validate_window
 from gdfold_max.layout import Gate
+from gdfold_max.ops.checks import parent_table
 from gdfold_max.trees import chain_parents
 from range_matrix import Call, run_many
 
@@ -42,6 +43,16 @@ CHAIN_VARIANTS = [("float32", "head"), ("bfloat16", "channel")]
 #: The variant whose fold on load is also compared with the fold op then the tree op (each
 #: op instantiation adds to the graph's compile; the reference checks every variant).
 FOLD_THEN_TREE: tuple[str, Gate] = ("bfloat16", "channel")
+
+
+#: dtype -> (parents entries, what the graph makes of them).
+PARENT_CASTS: dict[str, tuple[list[int], list[int]]] = {
+    "int64": ([-1, 0, 5, -5, 2**31, -(2**40)], [-1, 0, 5, -2, -2, -2]),
+    "uint32": ([0, 5, 2**31, 2**32 - 1], [0, 5, -2, -2]),
+    "uint64": ([0, 5, 2**31, 2**63 + 1], [0, 5, -2, -2]),
+    "int16": ([-1, 3, -7], [-1, 3, -7]),
+    "uint8": ([0, 255], [0, 255]),
+}
 
 
 def variant_seed(state_dtype: str, gate: Gate) -> int:
@@ -117,9 +128,10 @@ def fold_then_tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray
 
 
 @cache
-def run_all() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def run_all() -> dict[str, tuple[np.ndarray, ...]]:
     """Every variant's tree verify with and without fold on load, chains through the
-    tree verify and the chain verify, and the path fold then the tree; one graph. The
+    tree verify and the chain verify, the path fold then the tree, and the casts of
+    :data:`PARENT_CASTS`; one graph. The
     bf16 variants pass int64 parents and int32 previous paths padded with -1 (as
     SGLang's tables are), which the ops cast."""
     calls: dict[str, Call] = {}
@@ -138,11 +150,14 @@ def run_all() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         calls[f"chain ring {dtype} {gate}"] = ring_call(case)
     case, parents, nodes, _ = tree_case(variant_seed(*FOLD_THEN_TREE), *FOLD_THEN_TREE)
     calls["fold then tree"] = fold_then_tree_call(case, parents, nodes, FOLD_THEN_TREE[1])
+    for dtype, (entries, _) in PARENT_CASTS.items():
+        calls[f"parents as {dtype}"] = Call([np.asarray(entries, dtype)], (), lambda v: parent_table("parents", v[0]),
+                                            True)
     results = run_many("cpu", "verify_tree_cpu", list(calls.values()))
-    got: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    for name, (readout, (state, ring)) in zip(calls, results, strict=True):
+    got: dict[str, tuple[np.ndarray, ...]] = {}
+    for name, (readout, written) in zip(calls, results, strict=True):
         assert readout is not None
-        got[name] = (readout, state, ring)
+        got[name] = (readout, *written)
     return got
 
 
@@ -388,3 +403,14 @@ def test_graph_refuses_a_gpu_and_bad_tables() -> None:
             with pytest.raises(ValueError, match=pattern):
                 verify_tree(**arguments)
         graph.output()
+
+
+
+def test_a_graph_casts_parents_without_wrapping() -> None:
+    """In a graph, ``parents`` of any integer dtype become int32: -1 stays the committed
+    state, and an entry below -1 or past int32 becomes -2, which the CPU op refuses,
+    never another node."""
+    casts = run_all()
+    for dtype, (_, want) in PARENT_CASTS.items():
+        got = casts[f"parents as {dtype}"][0]
+        assert got.dtype == np.int32 and got.tolist() == want, dtype

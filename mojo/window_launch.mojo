@@ -379,7 +379,8 @@ def run_windows[
             check_parents[RING_LEN](operands.parents, operands.offsets, batch)
             comptime if FOLD_PREVIOUS:
                 check_paths[RING_LEN](
-                    operands.previous_nodes, operands.previous_accepted, batch
+                    operands.previous_nodes, operands.previous_accepted, batch,
+                    "previous_accepted_nodes",
                 )
         windows_cpu[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL, TREE](
             operands, num_value_heads, num_key_heads, record_stride

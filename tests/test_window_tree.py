@@ -281,14 +281,14 @@ BAD_INPUTS = {
                                rf"input_row_offsets: request 0 has a window of {RING_LEN + 1} tokens, past RING_LEN"
                                rf" {RING_LEN}; a tree window must fit the ring"),
     "a previous node past the ring": (lambda c, p, n: {"previous_accepted_nodes": _with(n, 4, [0, 1, RING_LEN])},
-                                      rf"accepted_nodes: request 4 names nodes \[0, 1, {RING_LEN}, 3, 4, 5\]; a path"
-                                      rf" names nodes 0 to {RING_LEN - 1} in increasing order"),
+                                      rf"previous_accepted_nodes: request 4 names nodes \[0, 1, {RING_LEN}, 3, 4,"
+                                      rf" 5\]; a path names nodes 0 to {RING_LEN - 1} in increasing order"),
     "previous nodes out of order": (lambda c, p, n: {"previous_accepted_nodes": _with(n, 4, [1, 0])},
-                                    r"accepted_nodes: request 4 names nodes \[1, 0, 2, 3, 4, 5\]"),
+                                    r"previous_accepted_nodes: request 4 names nodes \[1, 0, 2, 3, 4, 5\]"),
     "a negative previous node": (lambda c, p, n: {"previous_accepted_nodes": _with(n, 4, [-1], np.int32)},
-                                 r"accepted_nodes: request 4 names nodes \[-1, 1, 2, 3, 4, 5\]"),
+                                 r"previous_accepted_nodes: request 4 names nodes \[-1, 1, 2, 3, 4, 5\]"),
     "a previous table of another batch": (lambda c, p, n: {"previous_accepted_nodes": n[:-1]},
-                                          rf"accepted_nodes: expected shape \[{BATCH}, {RING_LEN}\]"),
+                                          rf"previous_accepted_nodes: expected shape \[{BATCH}, {RING_LEN}\]"),
     "only two previous tables": (lambda c, p, n: {"previous_accepted_nodes": None},
                                  r"previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all"
                                  r" three"),
@@ -330,10 +330,10 @@ OP_REFUSALS = [
     pytest.param(0, [-5], None, r"parents: request 0 node 0 has parent -5", id="a parent below -1"),
     pytest.param(0, None, None, rf"input_row_offsets: request 0 has a window of {RING_LEN + 1} tokens, past RING_LEN"
                  rf" {RING_LEN}; a tree window must fit the ring", id="a window past the ring"),
-    pytest.param(None, None, [0, 3, 3], r"accepted_nodes: request 4 entry 2 is node 3 \(the entry before: 3\); a path"
-                 rf" names nodes 0 to {RING_LEN - 1} in increasing order", id="a repeated previous node"),
-    pytest.param(None, None, [0, RING_LEN], rf"accepted_nodes: request 4 entry 1 is node {RING_LEN}",
-                 id="a previous node past the ring"),
+    pytest.param(None, None, [0, 3, 3], r"previous_accepted_nodes: request 4 entry 2 is node 3 \(the entry before:"
+                 rf" 3\); a path names nodes 0 to {RING_LEN - 1} in increasing order", id="a repeated previous node"),
+    pytest.param(None, None, [0, RING_LEN],
+                 rf"previous_accepted_nodes: request 4 entry 1 is node {RING_LEN}", id="a previous node past the ring"),
 ]
 
 

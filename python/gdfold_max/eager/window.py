@@ -338,7 +338,11 @@ class WindowRunner(CompiledGraphs):
         if kind == "tree_fold_on_load":
             if isinstance(previous_accepted_nodes, Buffer):
                 previous_accepted_nodes = previous_accepted_nodes.to(CPU()).to_numpy()
-            nodes = path_table(previous_accepted_nodes, host["previous_num_accepted"], ring_len)
+            try:
+                nodes = path_table(previous_accepted_nodes, host["previous_num_accepted"], ring_len)
+            except ValueError as error:
+                # The fold's check names its own argument, accepted_nodes.
+                raise ValueError(f"previous_{error}") from None
             ordered += [host["previous_ring_row_ids"], host["previous_num_accepted"], nodes]
         return self._run(kind, call, ordered)
 

@@ -574,7 +574,8 @@ print("ARCH", arch.name, arch.pipeline_model.__module__, arch.pipeline_model.__q
 #: Token-id prompts of a wave: more than --max-batch-size, so requests are admitted
 #: while others decode and ring blocks are reused.
 PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [300],
-           [17, 18, 19, 20, 21, 22], [99, 98, 97, 96, 95]]
+           [17, 18, 19, 20, 21, 22], [99, 98, 97, 96, 95], [5], [61, 62], [210, 3, 77], [8, 8, 8, 8],
+           [123, 45], [6, 28, 496]]
 NEW_TOKENS = 12
 READY_S = 1500.0
 
@@ -596,7 +597,7 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative
 
     port = free_port()
     argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
-            "--quantization-encoding", "float32", "--max-length", "256", "--max-batch-size", "2",
+            "--quantization-encoding", "float32", "--max-length", "256", "--max-batch-size", "8",
             "--device-memory-utilization", "0.1", "--no-device-graph-capture", "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "tiny", *extra]
     if speculative:

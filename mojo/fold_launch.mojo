@@ -65,11 +65,12 @@ def check_paths[
     accepted_nodes: Pointer[UInt32, ImmutAnyOrigin],
     num_accepted: Pointer[UInt32, ImmutAnyOrigin],
     batch: Int,
+    name: StaticString = "accepted_nodes",
 ) raises:
     """Raises on the first path (of a request that folds: 1 to RING_LEN nodes) that
     names a node past the ring or one not after the node before it (host tables only).
     A path in topological order increases, so this is all a fold can check of it
-    without the tree."""
+    without the tree. `name`: the table's argument, for the message."""
     for request in range(batch):
         var accepted = Int(num_accepted[unsafe_offset=request])
         if accepted == 0 or accepted > RING_LEN:
@@ -79,7 +80,7 @@ def check_paths[
             var node = Int(accepted_nodes[unsafe_offset=request * RING_LEN + t])
             if node >= RING_LEN or node <= previous:
                 raise Error(
-                    t"accepted_nodes: request {request} entry {t} is node {node}"
+                    t"{name}: request {request} entry {t} is node {node}"
                     t" (the entry before: {previous}); a path names nodes 0 to"
                     t" {RING_LEN - 1} in increasing order"
                 )

@@ -11,6 +11,16 @@ per (token, key head), for every block of every value head that reads them.
 With `CHANNEL` (per-channel gates, Kimi Delta Attention) a token brings K decays per
 value head, `decay[t, h, i]`, and state row i decays by the i-th; a record then holds
 the K decays of each value head of its group (record_layout.channel_decay_offset).
+
+With `TREE` (the tree verify) the window's tokens are a token tree's nodes, node i a
+child of node `parents[request, i]` (-1: the committed state). A block keeps the
+committed state and each node's delta factors for its columns, not a state per node:
+a node whose parent is the node before it steps on from that node's state, as a chain
+does; any other starts from the committed state with its parent's root path folded in,
+root first (`S = fma(k, u, S * d)` of each ancestor, from the ancestor's own key, decay
+and delta factors). The fold applies the forward's two roundings to the same operands,
+so the state is the parent's, bit for bit. Its fold on load folds the previous step's
+accepted path (`previous_accepted_nodes`, fold_head_cpu's PATH).
 """
 
 from max.algorithm import sync_parallelize
@@ -43,13 +53,15 @@ def windows_cpu[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     CHANNEL: Bool = False,
+    TREE: Bool = False,
 ](
     operands: WindowOperands[state_dtype],
     num_value_heads: Int,
     num_key_heads: Int,
     record_stride: Int,
 ):
-    """Runs every request's window; all ids and offsets were validated."""
+    """Runs every request's window; all ids and offsets (and with TREE the parents, every
+    window within the ring, and the previous paths) were validated."""
     var readout = operands.readout
     var state = operands.state
     var ring = operands.ring
@@ -61,6 +73,8 @@ def windows_cpu[
     var offsets = operands.offsets
     var previous_ring_row_ids = operands.previous_ring_row_ids
     var previous_accepted = operands.previous_accepted
+    var parents = operands.parents
+    var previous_nodes = operands.previous_nodes
     var batch = operands.batch
     comptime W = COLUMN_BLOCK
     comptime BLOCKS = V // W
@@ -104,14 +118,54 @@ def windows_cpu[
         var group_slot = value_head % group_size
         var start = Int(offsets[unsafe_offset=request])
         var end = Int(offsets[unsafe_offset=request + 1])
-        # A window longer than the ring cannot be recorded: the request commits instead.
-        var commit = not RECORD or end - start > RING_LEN
+        # A window longer than the ring cannot be recorded: the request commits instead
+        # (a tree's windows were checked to fit the ring).
+        var commit = not RECORD or (not TREE and end - start > RING_LEN)
         var state_base = head_base + column
         var s = Array[SIMD[DType.float32, W], K](uninitialized=True)
         for i in range(K):
             s[i] = widen[state_dtype, W](state.unsafe_load[width=W](state_base + i * V))
+        # TREE: the committed state, and each node's delta factors, of these columns.
+        var committed = Array[SIMD[DType.float32, W], K if TREE else 1](uninitialized=True)
+        var node_deltas = Array[SIMD[DType.float32, W], RING_LEN if TREE else 1](
+            uninitialized=True
+        )
+        comptime if TREE:
+            for i in range(K):
+                committed[i] = s[i]
 
         for t in range(start, end):
+            comptime if TREE:
+                var node = t - start
+                var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
+                # `s` holds node - 1's state (the committed state before node 0).
+                if parent != node - 1:
+                    # The parent's root path, from the parent up.
+                    var path = Array[Int, RING_LEN](uninitialized=True)
+                    var depth = 0
+                    var ancestor = parent
+                    while ancestor >= 0:
+                        path[depth] = ancestor
+                        depth += 1
+                        ancestor = Int(parents[unsafe_offset=request * RING_LEN + ancestor])
+                    for i in range(K):
+                        s[i] = committed[i]
+                    for step in range(depth - 1, -1, -1):
+                        var a_t = start + path[step]
+                        var a_k = a_t * qkv_width + num_key_heads * K + key_head * K
+                        var a_d = a_t * num_value_heads + value_head
+                        comptime if CHANNEL:
+                            a_d *= K
+                        var a_u = node_deltas[path[step]]
+                        for i in range(K):
+                            var a_decay = decay[unsafe_offset=a_d]
+                            comptime if CHANNEL:
+                                a_decay = decay[unsafe_offset=a_d + i]
+                            # The fold's order: decay, rounded, then one fused step.
+                            s[i] = fma(
+                                SIMD[DType.float32, W](qkv[unsafe_offset=a_k + i]), a_u,
+                                s[i] * a_decay,
+                            )
             var q_at = t * qkv_width + key_head * K
             var k_at = t * qkv_width + num_key_heads * K + key_head * K
             var v_at = t * qkv_width + 2 * num_key_heads * K + value_head * V + column
@@ -149,6 +203,8 @@ def windows_cpu[
             readout.unsafe_store(
                 t * readout_width + value_head * V + column, lane_tree[W](out_lanes)
             )
+            comptime if TREE:
+                node_deltas[t - start] = u
 
             comptime if RECORD:
                 if not commit:
@@ -182,7 +238,7 @@ def windows_cpu[
             var accepted = Int(previous_accepted[unsafe_offset=request])
             if accepted >= 1 and accepted <= RING_LEN:
                 # What a separate fold leaves in the pool, and what the window reads.
-                fold_head_cpu[state_dtype, K, V, RING_LEN, CHANNEL](
+                fold_head_cpu[state_dtype, K, V, RING_LEN, CHANNEL, TREE](
                     state,
                     ring,
                     head_base,
@@ -194,8 +250,10 @@ def windows_cpu[
                     accepted,
                     group_size,
                     value_head % group_size,
-                    previous_accepted,  # not read: the previous step's records are a chain
-                    0,
+                    # Read with TREE alone (the previous step's accepted path); otherwise
+                    # the previous step's records are a chain.
+                    previous_nodes,
+                    request * RING_LEN,
                 )
         for block in range(BLOCKS):
             run_block(request, value_head, head_base, block)

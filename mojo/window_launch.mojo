@@ -1,5 +1,6 @@
 """Checks and launches the window kernels behind `gdfold_verify_ring`,
-`gdfold_verify_ring_fold_on_load` and `gdfold_recurrence`.
+`gdfold_verify_ring_fold_on_load` and `gdfold_recurrence`, and the CPU path of the tree
+verify (`gdfold_verify_tree`, `TREE`), which has no GPU kernel yet.
 
 Shape checks run for both targets before anything is launched. On the CPU the row
 tables and offsets are host memory, so they are checked too before the first store.
@@ -13,6 +14,7 @@ from max.gpu.host.nvidia.tma import TMADescriptor, TensorMapSwizzle, create_tma_
 from std.math import ceildiv
 from std.utils import IndexList
 
+from .fold_launch import check_paths
 from .operand_checks import (
     check_channel_record_stride,
     check_head_dims,
@@ -190,6 +192,42 @@ def check_no_ring_overlap[
                 )
 
 
+def check_parents[
+    RING_LEN: Int
+](
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    batch: Int,
+) raises:
+    """Raises on the first request whose window is longer than the ring (a tree has no
+    one path to commit instead) or whose node has a parent that is neither -1 (the
+    committed state) nor an earlier node of its window (host tables only)."""
+    for request in range(batch):
+        var window = Int(offsets[unsafe_offset=request + 1]) - Int(offsets[unsafe_offset=request])
+        if window > RING_LEN:
+            raise Error(
+                t"input_row_offsets: request {request} has a window of {window} tokens,"
+                t" past RING_LEN {RING_LEN}; a tree window must fit the ring"
+            )
+        for node in range(window):
+            var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
+            if parent < -1 or parent >= node:
+                raise Error(
+                    t"parents: request {request} node {node} has parent {parent}; a parent"
+                    t" is -1 (the committed state) or an earlier node of the window (0 to"
+                    t" {node - 1})"
+                )
+
+
+def check_tree_table(name: StaticString, dims: IndexList[2], batch: Int, ring_len: Int) raises:
+    """Raises unless a tree verify's table is [batch, RING_LEN]."""
+    if dims[0] != batch or dims[1] != ring_len:
+        raise Error(
+            t"{name}: shape [{dims[0]}, {dims[1]}] is not [{batch}, {ring_len}]"
+            t" ([batch, RING_LEN])"
+        )
+
+
 def check_window_operands[
     state_dtype: DType,
     //,
@@ -199,6 +237,7 @@ def check_window_operands[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     CHANNEL: Bool,
+    TREE: Bool,
 ](operands: WindowOperands[state_dtype]) raises -> Int:
     """Raises unless the operands' shapes and lengths agree; returns the key heads nk.
     The ids and offsets are read on the CPU alone (run_windows)."""
@@ -263,6 +302,12 @@ def check_window_operands[
             "previous_num_accepted", operands.previous_accepted_len, batch,
             "the batch of row_ids",
         )
+    comptime if TREE:
+        check_tree_table("parents", operands.parents_dims, batch, RING_LEN)
+        comptime if FOLD_PREVIOUS:
+            check_tree_table(
+                "previous_accepted_nodes", operands.previous_nodes_dims, batch, RING_LEN
+            )
     return num_key_heads
 
 
@@ -279,11 +324,15 @@ def run_windows[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     CHANNEL: Bool = False,
+    TREE: Bool = False,
 ](operands: WindowOperands[state_dtype], ctx: DeviceContext) raises:
     """Checks every operand, then runs each request's window (see window_cpu/gpu).
 
     `CHANNEL` (a decay of [T, nv, K]) runs on either GPU kernel; GPU_PATH_AUTO picks
-    the latency kernel for it (channel_uses_latency_kernel)."""
+    the latency kernel for it (channel_uses_latency_kernel). `TREE` (a tree verify:
+    RECORD, with the parents table, and with FOLD_PREVIOUS the previous accepted paths)
+    runs on the CPU alone: on a GPU it raises before anything is enqueued."""
+    comptime assert not TREE or RECORD, "a tree verify records"
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
     # time, and its blocks (two threads per column) are whole warps or one warp at most.
@@ -294,9 +343,14 @@ def run_windows[
         and whole_warps[window_block_threads[COLUMN_TILE]()]()
     ), "COLUMN_TILE must be 4, 8, 16 or a multiple of 16 that divides V"
     comptime assert REQUESTS_PER_BLOCK >= 0, "REQUESTS_PER_BLOCK must be 0 (automatic) or more"
-    var num_key_heads = check_window_operands[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL](
-        operands
-    )
+    var num_key_heads = check_window_operands[
+        K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL, TREE
+    ](operands)
+    comptime if target == "gpu" and TREE:
+        raise Error(
+            "gdfold_verify_tree: the tree verify runs on the CPU only for now (there is no"
+            " GPU kernel of it yet); build its graph for the CPU"
+        )
     comptime if target == "gpu":
         check_window_gpu(ctx)
     var batch = operands.batch
@@ -321,10 +375,17 @@ def run_windows[
                 operands.ring_row_ids, operands.offsets, operands.previous_ring_row_ids,
                 operands.previous_accepted, batch,
             )
-        windows_cpu[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL](
+        comptime if TREE:
+            check_parents[RING_LEN](operands.parents, operands.offsets, batch)
+            comptime if FOLD_PREVIOUS:
+                check_paths[RING_LEN](
+                    operands.previous_nodes, operands.previous_accepted, batch,
+                    "previous_accepted_nodes",
+                )
+        windows_cpu[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL, TREE](
             operands, num_value_heads, num_key_heads, record_stride
         )
-    elif target == "gpu":
+    elif target == "gpu" and not TREE:
         # The SMs, read once: they size the grid and pick the kernel and the launch.
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
@@ -424,5 +485,7 @@ def run_windows[
                 "gdfold window op: per-channel gates reached the throughput kernel, which is"
                 " compiled for them only with gpu_path=\"throughput\""
             )
+    elif target == "gpu":
+        pass  # the tree verify raised above, before its checks of the GPU
     else:
         raise Error(t"unsupported target {target}")

@@ -16,7 +16,8 @@ struct WindowOperands[
     pointer and its shape (or length).
 
     Built as a forward's (no ring, no previous records), then `with_ring` for a verify
-    and `with_previous` for a fold on load. An op without a ring or previous records
+    and `with_previous` for a fold on load; a tree verify adds `with_parents` (and, for
+    its fold on load, `with_previous_nodes`). An op without a ring or previous records
     holds the readout in the ring's place and the row table in the tables' places:
     pointers cannot be null, and neither the checks nor the kernels read what an op does
     not have.
@@ -30,6 +31,7 @@ struct WindowOperands[
     comptime WrittenState = Pointer[Scalar[Self.state_dtype], Self.written]
     comptime ReadFloats = Pointer[Float32, Self.read]
     comptime ReadIds = Pointer[UInt32, Self.read]
+    comptime ReadNodes = Pointer[Int32, Self.read]
 
     var readout: Self.WrittenFloats
     var readout_dims: IndexList[2]
@@ -55,6 +57,12 @@ struct WindowOperands[
     var previous_ring_row_ids_len: Int
     var previous_accepted: Self.ReadIds
     var previous_accepted_len: Int
+    # A tree verify's tables, [batch, RING_LEN] each: every node's parent (signed: -1 is
+    # the committed state) and, with fold on load, the previous step's accepted paths.
+    var parents: Self.ReadNodes
+    var parents_dims: IndexList[2]
+    var previous_nodes: Self.ReadIds
+    var previous_nodes_dims: IndexList[2]
 
     def __init__(
         out self,
@@ -100,6 +108,10 @@ struct WindowOperands[
         self.previous_ring_row_ids_len = self.batch
         self.previous_accepted = self.row_ids
         self.previous_accepted_len = self.batch
+        self.parents = Self.ReadNodes(unsafe_from_address=Int(self.row_ids))
+        self.parents_dims = IndexList[2](0, 0)
+        self.previous_nodes = self.row_ids
+        self.previous_nodes_dims = IndexList[2](0, 0)
 
     def with_ring(
         self,
@@ -130,4 +142,23 @@ struct WindowOperands[
             previous_num_accepted.unsafe_ptr()
         )
         operands.previous_accepted_len = previous_num_accepted.dim_size(0)
+        return operands
+
+    def with_parents(
+        self, parents: InputTensor[dtype=DType.int32, rank=2, ...]
+    ) -> Self:
+        """These operands with a tree verify's parents table ([batch, RING_LEN])."""
+        var operands = self
+        operands.parents = rebind[Self.ReadNodes](parents.unsafe_ptr())
+        operands.parents_dims = parents.shape()
+        return operands
+
+    def with_previous_nodes(
+        self, previous_accepted_nodes: InputTensor[dtype=DType.uint32, rank=2, ...]
+    ) -> Self:
+        """These operands with the previous step's accepted paths ([batch, RING_LEN]),
+        whose records a tree verify's fold on load folds instead of the first ones."""
+        var operands = self
+        operands.previous_nodes = rebind[Self.ReadIds](previous_accepted_nodes.unsafe_ptr())
+        operands.previous_nodes_dims = previous_accepted_nodes.shape()
         return operands

@@ -15,6 +15,14 @@ accepted tokens and a verify followed by the fold agree bit for bit. The per-cha
 take a decay of shape [T, nv, K], state row i decaying by the i-th; their records hold the
 K decays of each value head of the group. They take the head-gate ops' GPU parameters;
 "auto" runs them on the latency kernel (window_launch.channel_uses_latency_kernel).
+
+The tree verify (`gdfold_verify_tree`, `gdfold_verify_tree_fold_on_load` and their
+`_channel` twins) runs a window whose tokens are the nodes of a token tree: node i steps
+from the state of node `parents[b, i]` (-1: the committed state) and writes record i;
+its fold on load folds the previous step's accepted path (`previous_accepted_nodes`).
+They run the verify's CPU code with its TREE switch on (window_cpu.mojo), on the CPU
+only for now: there is no GPU kernel of them yet, and on a GPU they raise. Their tiling
+parameters are fixed (run_windows needs them; the CPU does not read them).
 """
 
 import extensibility
@@ -23,6 +31,10 @@ from max.gpu.host import DeviceContext
 
 from .window_launch import run_windows
 from .window_operands import WindowOperands
+
+# The column tile run_windows is instantiated with for the tree ops, which run on the CPU
+# alone (it shapes only GPU blocks): any tile that divides every V would do.
+comptime TREE_COLUMN_TILE = 8
 
 
 @extensibility.register("gdfold_verify_ring")
@@ -201,4 +213,121 @@ struct RecurrenceChannel:
         )
         run_windows[
             target, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, False, False, True,
+        ](operands, ctx)
+
+
+@extensibility.register("gdfold_verify_tree")
+struct VerifyTree:
+    """Readout of every node of each request's token tree, and its ring records; the
+    pool is read only.
+    """
+
+    @staticmethod
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+        readout: OutputTensor[dtype=DType.float32, rank=2, ...],
+        qkv: InputTensor[dtype=DType.float32, rank=2, ...],
+        decay: InputTensor[dtype=DType.float32, rank=2, ...],
+        beta: InputTensor[dtype=DType.float32, rank=2, ...],
+        recurrent_state: _MutableInputTensor[rank=4, ...],
+        ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
+        row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        parents: InputTensor[dtype=DType.int32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids).with_parents(parents)
+        run_windows[
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, False, True,
+        ](operands, ctx)
+
+
+@extensibility.register("gdfold_verify_tree_channel")
+struct VerifyTreeChannel:
+    """The tree verify with per-channel gates."""
+
+    @staticmethod
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+        readout: OutputTensor[dtype=DType.float32, rank=2, ...],
+        qkv: InputTensor[dtype=DType.float32, rank=2, ...],
+        decay: InputTensor[dtype=DType.float32, rank=3, ...],
+        beta: InputTensor[dtype=DType.float32, rank=2, ...],
+        recurrent_state: _MutableInputTensor[rank=4, ...],
+        ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
+        row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        parents: InputTensor[dtype=DType.int32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids).with_parents(parents)
+        run_windows[
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, True, True,
+        ](operands, ctx)
+
+
+@extensibility.register("gdfold_verify_tree_fold_on_load")
+struct VerifyTreeFoldOnLoad:
+    """A tree verify that first folds the previous step's accepted path into the pool.
+    """
+
+    @staticmethod
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+        readout: OutputTensor[dtype=DType.float32, rank=2, ...],
+        qkv: InputTensor[dtype=DType.float32, rank=2, ...],
+        decay: InputTensor[dtype=DType.float32, rank=2, ...],
+        beta: InputTensor[dtype=DType.float32, rank=2, ...],
+        recurrent_state: _MutableInputTensor[rank=4, ...],
+        ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
+        row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        parents: InputTensor[dtype=DType.int32, rank=2, ...],
+        previous_ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        previous_num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
+        previous_accepted_nodes: InputTensor[dtype=DType.uint32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids).with_parents(parents).with_previous(
+            previous_ring_row_ids, previous_num_accepted
+        ).with_previous_nodes(previous_accepted_nodes)
+        run_windows[
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, False, True,
+        ](operands, ctx)
+
+
+@extensibility.register("gdfold_verify_tree_fold_on_load_channel")
+struct VerifyTreeFoldOnLoadChannel:
+    """The tree verify with per-channel gates, folding the previous accepted path first."""
+
+    @staticmethod
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+        readout: OutputTensor[dtype=DType.float32, rank=2, ...],
+        qkv: InputTensor[dtype=DType.float32, rank=2, ...],
+        decay: InputTensor[dtype=DType.float32, rank=3, ...],
+        beta: InputTensor[dtype=DType.float32, rank=2, ...],
+        recurrent_state: _MutableInputTensor[rank=4, ...],
+        ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
+        row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        parents: InputTensor[dtype=DType.int32, rank=2, ...],
+        previous_ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        previous_num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
+        previous_accepted_nodes: InputTensor[dtype=DType.uint32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var operands = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        ).with_ring(ring, ring_row_ids).with_parents(parents).with_previous(
+            previous_ring_row_ids, previous_num_accepted
+        ).with_previous_nodes(previous_accepted_nodes)
+        run_windows[
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, True, True,
         ](operands, ctx)

@@ -3,7 +3,8 @@
 ``state_fold`` puts the fold into a MAX graph; ``fold`` and ``StateFolder`` run it
 eagerly on numpy arrays or MAX buffers. ``verify_ring`` (optionally folding the
 previous step's records as it loads the state) and ``recurrence`` put the verify and
-the forward into a graph; ``WindowRunner`` runs them eagerly. ``reference`` is the
+the forward into a graph, ``verify_tree`` the verify of token trees (on the CPU only for
+now); ``WindowRunner`` runs them eagerly. ``reference`` is the
 numpy oracle, ``layout`` the ring record layout and ``cases`` the recorded-case format.
 
 Importing the package does not import MAX: ``reference``, ``layout`` and ``cases`` need
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from .eager.window import WindowRunner, runner_for
     from .ops.fold import state_fold
     from .ops.kernels import FOLD_OP_NAME, RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, kernels_path
-    from .ops.window import recurrence, verify_ring
+    from .ops.window import recurrence, verify_ring, verify_tree
 
 try:
     __version__ = version("gdfold_max")
@@ -45,6 +46,7 @@ _LAZY = {
     "state_fold": "ops.fold",
     "recurrence": "ops.window",
     "verify_ring": "ops.window",
+    "verify_tree": "ops.window",
     "WindowRunner": "eager.window",
     "runner_for": "eager.window",
 }
@@ -79,4 +81,5 @@ __all__ = [
     "runner_for",
     "state_fold",
     "verify_ring",
+    "verify_tree",
 ]

@@ -1,4 +1,5 @@
-"""Eager verify and forward: numpy (or MAX ``Buffer``) in, cached compiled graphs underneath.
+"""Eager verify (of a chain or, on the CPU, of a token tree) and forward: numpy (or MAX
+``Buffer``) in, cached compiled graphs underneath.
 
 Every operand is validated on the host before the first byte is written, so a bad call
 raises ``ValueError`` (or ``TypeError``) and leaves the pool and the ring untouched.
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from max.driver import CPU
+from max.driver import CPU, Buffer
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
@@ -19,7 +20,8 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType
 from ..layout import Gate
 from ..ops.checks import pool_dims, ring_parameters
 from ..ops.kernels import kernels_path
-from ..ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring
+from ..ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring, verify_tree
+from ..trees import check_parents
 from .base import (
     ArrayOrBuffer,
     CompiledGraphs,
@@ -30,6 +32,7 @@ from .base import (
     describe,
     host_table,
 )
+from .fold import path_table
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
 
@@ -178,7 +181,8 @@ class WindowRunner(CompiledGraphs):
         self.gpu_path = gpu_path
 
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
-        """The compiled graph of ``kind`` (verify, fold_on_load or forward), built on first use."""
+        """The compiled graph of ``kind`` (verify, fold_on_load, forward, tree or
+        tree_fold_on_load), built on first use."""
         key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
                parameters.get("CHANNEL", 0))
         return self.compiled(key, lambda: self._build(kind, state_dtype, parameters))
@@ -198,9 +202,17 @@ class WindowRunner(CompiledGraphs):
         ]
         if kind != "forward":
             inputs.append(BufferType(f32, ["ring_rows", "nk", ring_len, "stride"], where))
-        tables = 2 if kind == "forward" else (5 if kind == "fold_on_load" else 3)
-        inputs += [TensorType(u32, ["batch_plus_one" if i == (1 if kind == "forward" else 2) else "batch"], where)
-                   for i in range(tables)]
+        tree = kind.startswith("tree")
+        fold_on_load = kind.endswith("fold_on_load")
+        tables = 2 if kind == "forward" else (5 if fold_on_load else 3)
+        rows = [TensorType(u32, ["batch_plus_one" if i == (1 if kind == "forward" else 2) else "batch"], where)
+                for i in range(tables)]
+        if tree:
+            # The tree's tables: parents after the offsets, the previous path's nodes last.
+            rows.insert(3, TensorType(DType.int32, ["batch", ring_len], where))
+            if fold_on_load:
+                rows.append(TensorType(u32, ["batch", ring_len], where))
+        inputs += rows
         name = f"gdfold_{kind}{'_channel' if channel else ''}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
         with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
             qkv, decay, beta = (x.tensor for x in graph.inputs[:3])
@@ -208,24 +220,34 @@ class WindowRunner(CompiledGraphs):
             if kind == "forward":
                 rows, offsets = (x.tensor for x in graph.inputs[4:])
                 out = recurrence(qkv, decay, beta, state, rows, offsets, **tiling)
+            elif tree:
+                ring = graph.inputs[4].buffer
+                rest = [x.tensor for x in graph.inputs[5:]]
+                previous = {}
+                if fold_on_load:
+                    previous = {"previous_ring_row_ids": rest[4], "previous_num_accepted": rest[5],
+                                "previous_accepted_nodes": rest[6]}
+                out = verify_tree(qkv, decay, beta, state, ring, *rest[:4], **previous)
             else:
                 ring = graph.inputs[4].buffer
                 rest = [x.tensor for x in graph.inputs[5:]]
-                fold_on_load = kind == "fold_on_load"
                 out = verify_ring(qkv, decay, beta, state, ring, rest[0], rest[1], rest[2],
                                   previous_ring_row_ids=rest[3] if fold_on_load else None,
                                   previous_num_accepted=rest[4] if fold_on_load else None, **tiling)
             graph.output(out)
         return graph
 
-    def _run(self, kind: str, call: WindowCall) -> np.ndarray:
+    def _run(self, kind: str, call: WindowCall, tables: list[np.ndarray] | None = None) -> np.ndarray:
+        """Runs ``kind`` on a validated call, with its host tables in the graph's order
+        (by default the call's own)."""
         tokens = call.tokens[0].shape[0]
         nv, value_dim = call.state.shape[1], call.state.shape[3]
         if not call.tables["row_ids"].size:
             return np.zeros((tokens, nv * value_dim), np.float32)
         model = self.model(kind, call.state.dtype, call.parameters)
         written = [call.state] + ([call.ring] if call.ring is not None else [])
-        (readout,) = self.execute(model, [*call.tokens, *written], list(call.tables.values()), written)
+        tables = list(call.tables.values()) if tables is None else tables
+        (readout,) = self.execute(model, [*call.tokens, *written], tables, written)
         return np.asarray(readout.to(CPU()).to_numpy())
 
     def verify_ring(
@@ -259,6 +281,70 @@ class WindowRunner(CompiledGraphs):
             kind = "fold_on_load"
         call = validate_window(qkv, decay, beta, recurrent_state, ring, tables, self.device)
         return self._run(kind, call)
+
+    def verify_tree(
+        self,
+        qkv: ArrayOrBuffer,
+        decay: ArrayOrBuffer,
+        beta: ArrayOrBuffer,
+        recurrent_state: ArrayOrBuffer,
+        ring: ArrayOrBuffer,
+        row_ids: Any,
+        ring_row_ids: Any,
+        input_row_offsets: Any,
+        parents: Any,
+        *,
+        previous_ring_row_ids: Any = None,
+        previous_num_accepted: Any = None,
+        previous_accepted_nodes: Any = None,
+    ) -> np.ndarray:
+        """The eager twin of :func:`gdfold_max.ops.window.verify_tree`: each request's
+        window as a token tree (``parents`` ``[batch, RING_LEN]``), with fold on load of
+        the previous step's accepted path when the three previous tables are given;
+        returns every node's readout. The ring (and, with fold on load, the pool) is
+        written in place. On the CPU only for now (there is no GPU kernel of the tree
+        verify yet).
+
+        Raises:
+            TypeError, ValueError: naming the bad argument, nothing written: besides
+                :meth:`verify_ring`'s checks, a runner on a GPU, ``parents`` that do not
+                describe trees of the windows or a window longer than RING_LEN
+                (``trees.check_parents``), a previous path with a node past the ring or
+                out of order (``trees.check_path_nodes``), only some of the three
+                previous tables.
+        """
+        if self.device.label != "cpu":
+            raise ValueError(f"device: {self.device.label}:{self.device.id}; the tree verify (verify_tree) runs on"
+                             " the CPU only for now (there is no GPU kernel of it yet)")
+        previous = (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)
+        if any(p is None for p in previous) and any(p is not None for p in previous):
+            raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
+                             " (fold on load of the previous path) or none")
+        tables = {"row_ids": row_ids, "ring_row_ids": ring_row_ids, "input_row_offsets": input_row_offsets}
+        kind = "tree"
+        if previous_ring_row_ids is not None:
+            tables |= {"previous_ring_row_ids": previous_ring_row_ids, "previous_num_accepted": previous_num_accepted}
+            kind = "tree_fold_on_load"
+        call = validate_window(qkv, decay, beta, recurrent_state, ring, tables, self.device)
+        ring_len = call.parameters["RING_LEN"]
+        host = call.tables
+        if isinstance(parents, Buffer):
+            parents = parents.to(CPU()).to_numpy()
+        parents = np.asarray(parents)
+        check_parents(parents, np.diff(host["input_row_offsets"].astype(np.int64)).tolist(), ring_len)
+        # Entries past a window are not read: any integer may pad them.
+        ordered = [host["row_ids"], host["ring_row_ids"], host["input_row_offsets"],
+                   np.ascontiguousarray(parents.astype(np.int32))]
+        if kind == "tree_fold_on_load":
+            if isinstance(previous_accepted_nodes, Buffer):
+                previous_accepted_nodes = previous_accepted_nodes.to(CPU()).to_numpy()
+            try:
+                nodes = path_table(previous_accepted_nodes, host["previous_num_accepted"], ring_len)
+            except ValueError as error:
+                # The fold's check names its own argument, accepted_nodes.
+                raise ValueError(f"previous_{error}") from None
+            ordered += [host["previous_ring_row_ids"], host["previous_num_accepted"], nodes]
+        return self._run(kind, call, ordered)
 
     def recurrence(
         self,

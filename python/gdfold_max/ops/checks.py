@@ -129,6 +129,35 @@ def row_table(name: str, value: TensorValue) -> TensorValue:
     return ops.where(outside, limit, wide).cast(DType.uint32)
 
 
+#: What a ``parents`` entry that int32 cannot hold, or below -1, becomes in a graph: a
+#: parent no node has (below -1), so the CPU op refuses it instead of reading it as -1.
+OUT_OF_RANGE_PARENT = -2
+
+
+def parent_table(name: str, value: TensorValue) -> TensorValue:
+    """A token tree's ``parents`` table as the int32 table the tree verify reads, added
+    to the graph. int8, int16, int32, uint8 and uint16 convert exactly; uint32, uint64 and
+    int64 saturate: an entry below -1 or past ``2**31 - 1`` becomes
+    :data:`OUT_OF_RANGE_PARENT` (-1 stays the committed state, and no entry wraps onto
+    another node).
+
+    Raises:
+        ValueError: naming ``name`` where ``value`` is not of an integer dtype.
+    """
+    dtype = value.type.dtype
+    if dtype not in INTEGER_DTYPES:
+        raise ValueError(f"{name}: dtype {dtype} is not an integer dtype")
+    if dtype in (DType.int8, DType.int16, DType.int32, DType.uint8, DType.uint16):
+        return value if dtype == DType.int32 else value.cast(DType.int32)
+    # Compared in the table's own dtype, so a uint64 entry past int64's range is caught too.
+    outside = ops.greater(value, ops.constant(2**31 - 1, dtype, device=value.device))
+    if dtype == DType.int64:
+        outside = ops.logical_or(outside, ops.greater(ops.constant(-1, dtype, device=value.device), value))
+    wide = value.cast(DType.int64)
+    bad = ops.constant(OUT_OF_RANGE_PARENT, DType.int64, device=value.device)
+    return ops.where(outside, bad, wide).cast(DType.int32)
+
+
 def shape_text(dims: Sequence[Dim | int]) -> str:
     """A shape as error messages print it."""
     return "[" + ", ".join(str(d) for d in dims) + "]"

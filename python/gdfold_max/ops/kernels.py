@@ -28,6 +28,10 @@ FOLD_PATH_CHANNEL_OP_NAME = "gdfold_state_fold_path_channel"
 VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
+#: The tree verify (a ``parents`` table: each window a token tree), with and without fold
+#: on load of the previous accepted path; CPU only for now.
+VERIFY_TREE_OP_NAME = "gdfold_verify_tree"
+VERIFY_TREE_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_tree_fold_on_load"
 #: The window ops with per-channel gates (a ``[T, nv, K]`` decay) are these names plus this.
 CHANNEL_OP_SUFFIX = "_channel"
 
@@ -37,7 +41,8 @@ REGISTERED_OPS = (
     FOLD_CHANNEL_OP_NAME,
     FOLD_PATH_OP_NAME,
     FOLD_PATH_CHANNEL_OP_NAME,
-    *(name + suffix for name in (VERIFY_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, RECURRENCE_OP_NAME)
+    *(name + suffix for name in (VERIFY_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, RECURRENCE_OP_NAME,
+                                 VERIFY_TREE_OP_NAME, VERIFY_TREE_FOLD_ON_LOAD_OP_NAME)
       for suffix in ("", CHANNEL_OP_SUFFIX)),
 )
 

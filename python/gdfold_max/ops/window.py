@@ -1,5 +1,6 @@
 """Graph-level functions for the recurrence over token windows: ``verify_ring`` (with
-or without fold on load) and ``recurrence``, the plain forward.
+or without fold on load), ``verify_tree`` (each window a token tree; the CPU only for
+now) and ``recurrence``, the plain forward.
 
 A graph that calls these must be built with ``custom_extensions=[kernels_path()]``
 (``gdfold_max.ops.kernels``). The arithmetic runs in one fixed, documented order (see
@@ -17,8 +18,15 @@ from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
 
 from ..layout import Gate
-from .checks import pool_dims, ring_parameters, row_table, shape_text, static_size
-from .kernels import CHANNEL_OP_SUFFIX, RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME
+from .checks import parent_table, pool_dims, ring_parameters, row_table, shape_text, static_size
+from .kernels import (
+    CHANNEL_OP_SUFFIX,
+    RECURRENCE_OP_NAME,
+    VERIFY_FOLD_ON_LOAD_OP_NAME,
+    VERIFY_OP_NAME,
+    VERIFY_TREE_FOLD_ON_LOAD_OP_NAME,
+    VERIFY_TREE_OP_NAME,
+)
 from .shared_memory import check_column_tile_fits
 
 #: Value columns one GPU block owns, at most. A block stages a K x tile slice of the
@@ -188,6 +196,27 @@ def _readout_type(qkv: TensorValue, recurrent_state: BufferValue, value_dim: int
     return TensorType(DType.float32, [qkv.shape[0], recurrent_state.shape[1] * value_dim], recurrent_state.device)
 
 
+def _check_verify_operands(qkv: TensorValue, decay: TensorValue, beta: TensorValue, recurrent_state: BufferValue,
+                           ring: BufferValue, row_ids: TensorValue, ring_row_ids: TensorValue,
+                           input_row_offsets: TensorValue) -> tuple[dict[str, int], Gate, list[TensorValue]]:
+    """What :func:`verify_ring` and :func:`verify_tree` check alike: the tokens, the pool
+    and the ring, qkv's width, the row tables. Returns the op's K, V and RING_LEN, the
+    gate, and the row tables as the op reads them."""
+    key_dim, _ = pool_dims(list(recurrent_state.shape), recurrent_state.dtype)
+    gate = _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1], key_dim)
+    parameters = ring_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype,
+                                 gate)
+    nv, nk, width = (static_size(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
+    if nv is not None and nk is not None and width is not None:
+        check_qkv_width(width, nv, parameters["K"], parameters["V"], nk)
+    tables = [
+        _check_vector("row_ids", row_ids),
+        _check_vector("ring_row_ids", ring_row_ids),
+        _check_vector("input_row_offsets", input_row_offsets),
+    ]
+    return parameters, gate, tables
+
+
 def verify_ring(
     qkv: TensorValue,
     decay: TensorValue,
@@ -266,20 +295,10 @@ def verify_ring(
             and recorded into, before anything is written. On the GPU, a request with
             an out-of-range id is skipped and its readout is NaN.
     """
-    key_dim, _ = pool_dims(list(recurrent_state.shape), recurrent_state.dtype)
-    gate = _check_token_inputs(qkv, decay, beta, recurrent_state.shape[1], key_dim)
-    parameters = ring_parameters(list(recurrent_state.shape), recurrent_state.dtype, list(ring.shape), ring.dtype,
-                                 gate)
+    parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
+                                                      ring_row_ids, input_row_offsets)
     check_window_device(recurrent_state.device)
     value_dim = parameters["V"]
-    nv, nk, width = (static_size(d) for d in (recurrent_state.shape[1], ring.shape[1], qkv.shape[1]))
-    if nv is not None and nk is not None and width is not None:
-        check_qkv_width(width, nv, parameters["K"], value_dim, nk)
-    tables = [
-        _check_vector("row_ids", row_ids),
-        _check_vector("ring_row_ids", ring_row_ids),
-        _check_vector("input_row_offsets", input_row_offsets),
-    ]
     name = VERIFY_OP_NAME
     tiling = gpu_tiling(recurrent_state.dtype, parameters["K"], value_dim, column_tile, requests_per_block,
                         fold_on_load=previous_ring_row_ids is not None, gpu_path=gpu_path,
@@ -302,6 +321,116 @@ def verify_ring(
         [qkv, decay, beta, recurrent_state, ring, *tables],
         out_types=[_readout_type(qkv, recurrent_state, value_dim)],
         parameters=op_parameters,
+    )
+    return results[0].tensor
+
+
+def _check_tree_table(name: str, table: TensorValue, row_ids: TensorValue, ring_len: int) -> None:
+    """Refuses a tree table that is not rank 2 or whose known sizes are not
+    ``[batch, RING_LEN]`` (the batch of ``row_ids``)."""
+    shape = list(table.shape)
+    if len(shape) != 2:
+        raise ValueError(f"{name}: expected rank 2 [batch, RING_LEN], got shape {shape_text(shape)}")
+    batch, rows, nodes = static_size(row_ids.shape[0]), static_size(shape[0]), static_size(shape[1])
+    if (batch is not None and rows is not None and batch != rows) or (nodes is not None and nodes != ring_len):
+        raise ValueError(f"{name}: shape {shape_text(shape)} is not [batch, RING_LEN] ="
+                         f" {shape_text([row_ids.shape[0], ring_len])}")
+
+
+def verify_tree(
+    qkv: TensorValue,
+    decay: TensorValue,
+    beta: TensorValue,
+    recurrent_state: BufferValue,
+    ring: BufferValue,
+    row_ids: TensorValue,
+    ring_row_ids: TensorValue,
+    input_row_offsets: TensorValue,
+    parents: TensorValue,
+    *,
+    previous_ring_row_ids: TensorValue | None = None,
+    previous_num_accepted: TensorValue | None = None,
+    previous_accepted_nodes: TensorValue | None = None,
+) -> TensorValue:
+    """Runs each request's window as a token tree, recording into the ring; returns every
+    node's readout. On the CPU only for now: there is no GPU kernel of the tree verify
+    yet, and a graph for a GPU is refused.
+
+    The window's tokens are the tree's nodes in topological order (``gdfold_max.trees``):
+    node ``i`` of request ``b`` steps from the fp32 state of node ``parents[b, i]`` (for
+    -1, the pool's state) in :func:`verify_ring`'s order of arithmetic, and writes record
+    ``i`` of ring row ``ring_row_ids[b]`` as :func:`verify_ring` does. So node ``i``'s
+    readout is the forward's over its root path, bit for bit, and folding the records of
+    an accepted path (:func:`gdfold_max.state_fold` with ``accepted_nodes``) equals the
+    forward over that path's tokens. A chain (``trees.chain_parents``) gives
+    :func:`verify_ring`'s readout and records. The pool is not written, and every window
+    must fit the ring (a tree has no one path to commit instead). Ops
+    ``gdfold_verify_tree`` and, per-channel, ``gdfold_verify_tree_channel``.
+
+    With ``previous_ring_row_ids``, ``previous_num_accepted`` and
+    ``previous_accepted_nodes`` (fold on load; ops ``gdfold_verify_tree_fold_on_load``
+    and ``..._channel``), the previous step's accepted path, records
+    ``previous_accepted_nodes[b, :previous_num_accepted[b]]`` of ring row
+    ``previous_ring_row_ids[b]`` in that order, is first folded into the pool as the fold
+    along a path does, written back, and the tree runs from the folded state. Rows that
+    are recorded into must differ from those folded from, as for :func:`verify_ring`.
+
+    Args:
+        qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids, input_row_offsets:
+            as for :func:`verify_ring` (``decay`` ``[T, nv, K]``: per-channel gates).
+        parents: ``[batch, RING_LEN]`` integer table (int32; other integer dtypes are
+            cast, an entry int32 cannot hold or below -1 becoming -2, a parent refused):
+            node ``i``'s parent, -1 or an earlier node of its window. Entries past a
+            window are not read.
+        previous_ring_row_ids: ``[B]``, fold on load: ring rows of the previous step.
+        previous_num_accepted: ``[B]``, fold on load: nodes of the previous path (0 or
+            more than RING_LEN fold nothing).
+        previous_accepted_nodes: ``[batch, RING_LEN]`` integer table (cast to uint32),
+            fold on load: the previous path's nodes, in increasing order; entries past
+            ``previous_num_accepted[b]`` are not read.
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+
+    Raises:
+        ValueError: at graph-build time, for a bad rank, dtype or static shape, for only
+            some of the three previous tables, or for a graph on a GPU. At run time (on
+            the CPU), before anything is written: a bad id or offsets, a window longer
+            than RING_LEN, a parent that is not -1 or an earlier node of its window, a
+            previous path with a node past the ring or out of order, a ring row both
+            folded from and recorded into.
+    """
+    if recurrent_state.device.is_gpu():
+        raise ValueError(
+            f"recurrent_state: lives on GPU {recurrent_state.device.id}; the tree verify (verify_tree) runs on the"
+            " CPU only for now (there is no GPU kernel of it yet). Build its graph for the CPU."
+        )
+    parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
+                                                      ring_row_ids, input_row_offsets)
+    ring_len = parameters["RING_LEN"]
+    _check_tree_table("parents", parents, row_ids, ring_len)
+    tables.append(parent_table("parents", parents))
+    previous = (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)
+    if any(p is None for p in previous) and any(p is not None for p in previous):
+        raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
+                         " (fold on load of the previous path) or none")
+    name = VERIFY_TREE_OP_NAME
+    if previous_ring_row_ids is not None and previous_num_accepted is not None and previous_accepted_nodes is not None:
+        name = VERIFY_TREE_FOLD_ON_LOAD_OP_NAME
+        _check_tree_table("previous_accepted_nodes", previous_accepted_nodes, row_ids, ring_len)
+        tables += [
+            _check_vector("previous_ring_row_ids", previous_ring_row_ids),
+            _check_vector("previous_num_accepted", previous_num_accepted),
+            row_table("previous_accepted_nodes", previous_accepted_nodes),
+        ]
+    if gate == "channel":
+        name += CHANNEL_OP_SUFFIX
+    results = ops.inplace_custom(
+        name,
+        recurrent_state.device,
+        [qkv, decay, beta, recurrent_state, ring, *tables],
+        out_types=[_readout_type(qkv, recurrent_state, parameters["V"])],
+        parameters={"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len},
     )
     return results[0].tensor
 

@@ -48,7 +48,7 @@ def command(folder: Path, port: int, mode: str, draft: Path | None = None) -> tu
                        "--draft-model-path", str(draft), "--draft-quantization-encoding", "bfloat16"]
     argv = [str(exe) if exe.exists() else "max", "serve", "--model-path", str(folder),
             "--weight-path", str(folder / "model.safetensors"), *speculative,
-            "--max-length", "256", "--max-batch-size", "2", "--device-memory-utilization", "0.1",
+            "--max-length", "256", "--max-batch-size", "8", "--device-memory-utilization", "0.1",
             "--no-device-graph-capture", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1"}
     if mode != "max":

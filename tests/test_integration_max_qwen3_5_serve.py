@@ -569,6 +569,63 @@ print("ARCH", arch.name, arch.pipeline_model.__module__, arch.pipeline_model.__q
     assert found["fold"] == [name, MODULE, "PatchedDflash2Model"]
 
 
+# --- the KV cache the served flags give (CPU) ------------------------------------------
+
+#: ``max serve``'s --max-length and --max-batch-size for the tiny checkpoint.
+SERVED_LENGTH = 256
+SERVED_BATCH = 8
+#: The speculative tokens the MTP servers draft (--num-speculative-tokens).
+SERVED_DRAFTS = 3
+
+
+def served_cache(example: dict, tmp_path: Path, model_cls: type, batch: int) -> Any:
+    """The KV cache ``max serve`` builds for the tiny checkpoint's MTP pipeline, as MAX 26.7
+    sizes and then creates it: the size from the architecture's KV params for ``batch``
+    requests (``_calculate_kv_cache_size``, ``max/pipelines/lib/memory_estimation.py:546``),
+    the manager from the model's own params, which hold the draft's attention cache too
+    (``SpecDecodeState.load``, ``max/pipelines/lib/pipeline_variants/overlap_text_generation.py:571``,
+    with ``model.kv_params`` as ``unified_mtp_qwen3_5/model.py:119-164`` builds them)."""
+    from dataclasses import replace
+
+    from max.dtype import DType
+    from max.graph import DeviceRef
+    from max.nn.kv_cache import MultiKVCacheParams, recurrent_leaf
+    from max.pipelines.architectures.qwen3_5.state_cache import attn_cache
+    from max.pipelines.kv_cache.paged_kv_cache.jenga_cache_manager import JengaKVCacheManager
+    from max.pipelines.kv_cache.registry import kv_cache_memory_size
+
+    folder = example["write_checkpoint"](tmp_path / "tiny")
+    pipeline = example["pipeline_config"](folder, SERVED_DRAFTS, "cpu")
+    arch_params = model_cls.get_kv_params(huggingface_config=pipeline.model.huggingface_config,
+                                          pipeline_config=pipeline, devices=[DeviceRef.CPU()],
+                                          kv_cache_config=pipeline.model.kv_cache, cache_dtype=DType.float32)
+    size = kv_cache_memory_size(params=arch_params, available_cache_memory=1 << 30, max_batch_size=batch,
+                                max_seq_len=SERVED_LENGTH, is_di_enabled=False, model_name="tiny")
+    attn = attn_cache(arch_params)
+    model_params = MultiKVCacheParams.from_params({"target": attn, "draft": replace(attn, num_layers=1),
+                                                   "state": recurrent_leaf(arch_params)})
+    return JengaKVCacheManager.create(params=model_params, available_bytes=size, max_batch_size=batch,
+                                      max_seq_len=SERVED_LENGTH, max_num_input_tokens=8192)
+
+
+@pytest.mark.parametrize("route", ["max", "fused"])
+def test_the_served_flags_give_a_cache_that_holds_a_request(example: dict, tmp_path: Path, route: str) -> None:
+    """MAX 26.7 sizes the cache without the draft's attention cache, then builds it with
+    it, and exits when one request of --max-length plus the speculative slack does not
+    fit. For the tiny checkpoint that happens at a batch of 2 or 3 (MAX's own MTP
+    pipeline as well as ours; jenga_cache_manager.py:318); at the served batch of 8 a
+    request fits, for MAX's KV params and for the fused two-half ring's."""
+    from max.pipelines.architectures.unified_mtp_qwen3_5.model import UnifiedMTPQwen3_5Model
+
+    from gdfold_max.integrations.max_qwen3_5_serve import fused
+
+    model_cls = UnifiedMTPQwen3_5Model if route == "max" else fused.FusedMTPModel
+    with pytest.raises(RuntimeError, match="Insufficient cache memory to support a batch containing one request"):
+        served_cache(example, tmp_path / "two", model_cls, 2)
+    cache = served_cache(example, tmp_path / "served", model_cls, SERVED_BATCH)
+    assert cache.effective_max_seq_length >= SERVED_LENGTH
+
+
 # --- served, on a GPU -----------------------------------------------------------------
 
 #: Token-id prompts of a wave: more than --max-batch-size, so requests are admitted
@@ -597,11 +654,12 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative
 
     port = free_port()
     argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
-            "--quantization-encoding", "float32", "--max-length", "256", "--max-batch-size", "8",
-            "--device-memory-utilization", "0.1", "--no-device-graph-capture", "--host", "127.0.0.1",
+            "--quantization-encoding", "float32", "--max-length", str(SERVED_LENGTH),
+            "--max-batch-size", str(SERVED_BATCH), "--device-memory-utilization", "0.1", "--no-device-graph-capture",
+            "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "tiny", *extra]
     if speculative:
-        argv += ["--speculative-method", "mtp", "--num-speculative-tokens", "3"]
+        argv += ["--speculative-method", "mtp", "--num-speculative-tokens", str(SERVED_DRAFTS)]
     # faulthandler: a model worker that crashes leaves its Python stack in the log.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1",
            "PYTHONFAULTHANDLER": "1",

@@ -324,15 +324,12 @@ def verify_tree(
             (``trees.check_parents``), previous paths out of the ring or out of order
             (``trees.check_path_nodes``), or only some of the three previous tables.
     """
-    from .trees import check_parents
+    from .trees import check_parents, previous_path_given
 
     requests = _requests(input_row_offsets)
     check_parents(parents, [end - start for _, start, end in requests], ring.shape[2])
-    previous = (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)
-    if any(p is None for p in previous) and any(p is not None for p in previous):
-        raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
-                         " (fold on load of the previous path) or none")
-    if previous_ring_row_ids is not None and previous_num_accepted is not None:
+    if previous_path_given(previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes):
+        assert previous_ring_row_ids is not None and previous_num_accepted is not None
         fold(recurrent_state, ring, np.asarray(row_ids)[None], np.asarray(previous_ring_row_ids)[None],
              previous_num_accepted, gate=gate_of(decay), accepted_nodes=previous_accepted_nodes)
     return _record_windows(qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids, input_row_offsets,

@@ -106,6 +106,17 @@ def check_parents(parents: NDArray, windows: Sequence[int], ring_len: int) -> No
                                  f" committed state) or an earlier node of the window (0 to {i - 1})")
 
 
+def previous_path_given(previous_ring_row_ids: object, previous_num_accepted: object,
+                        previous_accepted_nodes: object) -> bool:
+    """Whether a tree verify folds the previous step's accepted path on load: all three
+    previous tables given (True) or none (False); raises ValueError for only some."""
+    given = [t is not None for t in (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)]
+    if any(given) and not all(given):
+        raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
+                         " (fold on load of the previous path) or none")
+    return all(given)
+
+
 def check_path_nodes(accepted_nodes: NDArray, num_accepted: NDArray, ring_len: int) -> None:
     """What a fold can check of accepted paths without their tree: ``accepted_nodes`` is
     ``[batch, RING_LEN]``, and each path of 1 to RING_LEN nodes names nodes of the ring in

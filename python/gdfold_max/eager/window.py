@@ -21,7 +21,7 @@ from ..layout import Gate
 from ..ops.checks import pool_dims, ring_parameters
 from ..ops.kernels import kernels_path
 from ..ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring, verify_tree
-from ..trees import check_parents
+from ..trees import check_parents, previous_path_given
 from .base import (
     ArrayOrBuffer,
     CompiledGraphs,
@@ -316,13 +316,9 @@ class WindowRunner(CompiledGraphs):
         if self.device.label != "cpu":
             raise ValueError(f"device: {self.device.label}:{self.device.id}; the tree verify (verify_tree) runs on"
                              " the CPU only for now (there is no GPU kernel of it yet)")
-        previous = (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)
-        if any(p is None for p in previous) and any(p is not None for p in previous):
-            raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
-                             " (fold on load of the previous path) or none")
         tables = {"row_ids": row_ids, "ring_row_ids": ring_row_ids, "input_row_offsets": input_row_offsets}
         kind = "tree"
-        if previous_ring_row_ids is not None:
+        if previous_path_given(previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes):
             tables |= {"previous_ring_row_ids": previous_ring_row_ids, "previous_num_accepted": previous_num_accepted}
             kind = "tree_fold_on_load"
         call = validate_window(qkv, decay, beta, recurrent_state, ring, tables, self.device)

@@ -18,6 +18,7 @@ from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
 
 from ..layout import Gate
+from ..trees import previous_path_given
 from .checks import parent_table, pool_dims, ring_parameters, row_table, shape_text, static_size
 from .kernels import (
     CHANNEL_OP_SUFFIX,
@@ -410,12 +411,10 @@ def verify_tree(
     ring_len = parameters["RING_LEN"]
     _check_tree_table("parents", parents, row_ids, ring_len)
     tables.append(parent_table("parents", parents))
-    previous = (previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes)
-    if any(p is None for p in previous) and any(p is not None for p in previous):
-        raise ValueError("previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes: give all three"
-                         " (fold on load of the previous path) or none")
     name = VERIFY_TREE_OP_NAME
-    if previous_ring_row_ids is not None and previous_num_accepted is not None and previous_accepted_nodes is not None:
+    if previous_path_given(previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes):
+        assert previous_ring_row_ids is not None and previous_num_accepted is not None
+        assert previous_accepted_nodes is not None
         name = VERIFY_TREE_FOLD_ON_LOAD_OP_NAME
         _check_tree_table("previous_accepted_nodes", previous_accepted_nodes, row_ids, ring_len)
         tables += [

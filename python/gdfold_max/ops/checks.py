@@ -158,6 +158,22 @@ def parent_table(name: str, value: TensorValue) -> TensorValue:
     return ops.where(outside, bad, wide).cast(DType.int32)
 
 
+def check_tree_table_shape(name: str, shape: Sequence[Dim | int], batch: Dim | int, ring_len: int) -> None:
+    """Refuses a token tree's table (``parents``, ``accepted_nodes``) that is not rank 2
+    or whose known sizes are not ``[batch, RING_LEN]``.
+
+    Raises:
+        ValueError: naming ``name``, its shape and what was expected.
+    """
+    if len(shape) != 2:
+        raise ValueError(f"{name}: expected rank 2 [batch, RING_LEN], got shape {shape_text(shape)}")
+    known_batch, rows, nodes = static_size(batch), static_size(shape[0]), static_size(shape[1])
+    if (known_batch is not None and rows is not None and known_batch != rows) or (nodes is not None
+                                                                                 and nodes != ring_len):
+        raise ValueError(f"{name}: shape {shape_text(shape)} is not [batch, RING_LEN] ="
+                         f" {shape_text([batch, ring_len])}")
+
+
 def shape_text(dims: Sequence[Dim | int]) -> str:
     """A shape as error messages print it."""
     return "[" + ", ".join(str(d) for d in dims) + "]"

@@ -13,7 +13,7 @@ from max.dtype import DType
 from max.graph import BufferValue, Dim, TensorType, TensorValue, ops
 
 from ..layout import Gate, check_gate
-from .checks import ring_parameters, row_table, shape_text, static_size
+from .checks import check_tree_table_shape, ring_parameters, row_table, shape_text, static_size
 from .kernels import FOLD_CHANNEL_OP_NAME, FOLD_OP_NAME, FOLD_PATH_CHANNEL_OP_NAME, FOLD_PATH_OP_NAME
 
 #: Preferred GPU tiling per state dtype, (KEY_DIM_TILE, ROWS_PER_THREAD), measured on an H200 at
@@ -123,22 +123,6 @@ def check_table_shapes(
         raise ValueError(f"num_accepted: length {count} differs from the batch {batch} of row_ids")
 
 
-def check_path_table_shape(accepted_nodes: Sequence[Dim | int], row_ids: Sequence[Dim | int], ring_len: int) -> None:
-    """Checks that a path table is rank 2 and that its known sizes are ``[batch, RING_LEN]``
-    (the batch of ``row_ids``).
-
-    Raises:
-        ValueError: naming ``accepted_nodes``, its shape and what was expected.
-    """
-    if len(accepted_nodes) != 2:
-        raise ValueError(f"accepted_nodes: expected rank 2 [batch, RING_LEN], got shape {shape_text(accepted_nodes)}")
-    batch, rows = static_size(row_ids[1]), static_size(accepted_nodes[0])
-    nodes = static_size(accepted_nodes[1])
-    if (batch is not None and rows is not None and batch != rows) or (nodes is not None and nodes != ring_len):
-        raise ValueError(f"accepted_nodes: shape {shape_text(accepted_nodes)} is not [batch, RING_LEN] ="
-                         f" {shape_text([row_ids[1], ring_len])}")
-
-
 def state_fold(
     recurrent_state: BufferValue,
     ring: BufferValue,
@@ -242,7 +226,7 @@ def state_fold(
     if accepted_nodes is None:
         name = FOLD_CHANNEL_OP_NAME if gate == "channel" else FOLD_OP_NAME
     else:
-        check_path_table_shape(list(accepted_nodes.shape), list(row_ids.shape), parameters["RING_LEN"])
+        check_tree_table_shape("accepted_nodes", list(accepted_nodes.shape), row_ids.shape[1], parameters["RING_LEN"])
         operands.append(row_table("accepted_nodes", accepted_nodes))
         name = FOLD_PATH_CHANNEL_OP_NAME if gate == "channel" else FOLD_PATH_OP_NAME
 

@@ -19,7 +19,7 @@ from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
 
 from ..layout import Gate
 from ..trees import previous_path_given
-from .checks import parent_table, pool_dims, ring_parameters, row_table, shape_text, static_size
+from .checks import check_tree_table_shape, parent_table, pool_dims, ring_parameters, row_table, shape_text, static_size
 from .kernels import (
     CHANNEL_OP_SUFFIX,
     RECURRENCE_OP_NAME,
@@ -326,18 +326,6 @@ def verify_ring(
     return results[0].tensor
 
 
-def _check_tree_table(name: str, table: TensorValue, row_ids: TensorValue, ring_len: int) -> None:
-    """Refuses a tree table that is not rank 2 or whose known sizes are not
-    ``[batch, RING_LEN]`` (the batch of ``row_ids``)."""
-    shape = list(table.shape)
-    if len(shape) != 2:
-        raise ValueError(f"{name}: expected rank 2 [batch, RING_LEN], got shape {shape_text(shape)}")
-    batch, rows, nodes = static_size(row_ids.shape[0]), static_size(shape[0]), static_size(shape[1])
-    if (batch is not None and rows is not None and batch != rows) or (nodes is not None and nodes != ring_len):
-        raise ValueError(f"{name}: shape {shape_text(shape)} is not [batch, RING_LEN] ="
-                         f" {shape_text([row_ids.shape[0], ring_len])}")
-
-
 def verify_tree(
     qkv: TensorValue,
     decay: TensorValue,
@@ -409,14 +397,15 @@ def verify_tree(
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     ring_len = parameters["RING_LEN"]
-    _check_tree_table("parents", parents, row_ids, ring_len)
+    check_tree_table_shape("parents", list(parents.shape), row_ids.shape[0], ring_len)
     tables.append(parent_table("parents", parents))
     name = VERIFY_TREE_OP_NAME
     if previous_path_given(previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes):
         assert previous_ring_row_ids is not None and previous_num_accepted is not None
         assert previous_accepted_nodes is not None
         name = VERIFY_TREE_FOLD_ON_LOAD_OP_NAME
-        _check_tree_table("previous_accepted_nodes", previous_accepted_nodes, row_ids, ring_len)
+        check_tree_table_shape("previous_accepted_nodes", list(previous_accepted_nodes.shape),
+                               row_ids.shape[0], ring_len)
         tables += [
             _check_vector("previous_ring_row_ids", previous_ring_row_ids),
             _check_vector("previous_num_accepted", previous_num_accepted),

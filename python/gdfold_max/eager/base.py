@@ -79,11 +79,14 @@ def describe(name: str, value: Any, device: Device, *, writable: bool) -> Operan
     return Operand(name, value.shape, dtype, value)
 
 
+def host_array(value: Any) -> np.ndarray:
+    """A table given as a Buffer (on any device) or as anything numpy takes, on the host."""
+    return value.to(CPU()).to_numpy() if isinstance(value, Buffer) else np.asarray(value)
+
+
 def host_table(name: str, value: Any) -> np.ndarray:
     """A row table as a host uint32 array, checked for dtype, sign and range."""
-    if isinstance(value, Buffer):
-        value = value.to(CPU()).to_numpy()
-    table = np.asarray(value)
+    table = host_array(value)
     if table.dtype.kind not in "iu":
         raise ValueError(f"{name}: dtype {table.dtype} is not an integer dtype")
     if table.size and table.dtype.kind == "i" and int(table.min()) < 0:

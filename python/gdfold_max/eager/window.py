@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import CPU
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
@@ -30,6 +30,7 @@ from .base import (
     PerDevice,
     check_ids,
     describe,
+    host_array,
     host_table,
 )
 from .fold import path_table
@@ -324,18 +325,14 @@ class WindowRunner(CompiledGraphs):
         call = validate_window(qkv, decay, beta, recurrent_state, ring, tables, self.device)
         ring_len = call.parameters["RING_LEN"]
         host = call.tables
-        if isinstance(parents, Buffer):
-            parents = parents.to(CPU()).to_numpy()
-        parents = np.asarray(parents)
+        parents = host_array(parents)
         check_parents(parents, np.diff(host["input_row_offsets"].astype(np.int64)).tolist(), ring_len)
         # Entries past a window are not read: any integer may pad them.
         ordered = [host["row_ids"], host["ring_row_ids"], host["input_row_offsets"],
                    np.ascontiguousarray(parents.astype(np.int32))]
         if kind == "tree_fold_on_load":
-            if isinstance(previous_accepted_nodes, Buffer):
-                previous_accepted_nodes = previous_accepted_nodes.to(CPU()).to_numpy()
             try:
-                nodes = path_table(previous_accepted_nodes, host["previous_num_accepted"], ring_len)
+                nodes = path_table(host_array(previous_accepted_nodes), host["previous_num_accepted"], ring_len)
             except ValueError as error:
                 # The fold's check names its own argument, accepted_nodes.
                 raise ValueError(f"previous_{error}") from None

@@ -1,7 +1,9 @@
-"""Builds (never runs) the host side of the tree verify's GPU launch, run_windows["gpu", ...,
-TREE=True], for fp32 and bf16 pools, with and without fold on load, head and per-channel
-gates: a GPU op is compiled only where MAX finds a GPU, so without one this is what
-type-checks the launch (the kernels themselves: kernels_ptx.mojo). No GPU needed:
+"""Builds, never runs, the host side of the tree verify's GPU launch.
+
+That is run_windows["gpu", ..., TREE=True] for fp32 and bf16 pools, with and without fold
+on load, head and per-channel gates: a GPU op is compiled only where MAX finds a GPU, so
+without one this is what type-checks the launch (the kernels themselves:
+kernels_ptx.mojo). No GPU needed:
 
     mojo build --target-accelerator sm_90a -I . bench/profiling/tree_launch_build.mojo -o /tmp/tree_launch
 """

@@ -29,6 +29,14 @@ value head and a record holds them (record_layout.channel_decay_offset); they ar
 staged like the keys and read by the same lanes, so that state row i decays by the
 i-th. The throughput kernel takes them too (window_gpu.mojo), in the same order of
 arithmetic.
+
+With `TREE` (the tree verify, windows_gpu_latency_tree_kernel; the chain kernel is the
+same unit, latency_unit, with it off) the window's tokens are a token tree's nodes: the
+request's parents and previous path are checked before any load, the fold on load reads
+the previous accepted path's records from the ring, and a node whose parent is not the
+node before it reloads the committed state from the pool and folds its parent's root
+path in, root first (fold_root_path), before it steps as a chain token. The throughput
+kernel runs chains only.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
@@ -36,7 +44,7 @@ from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
 from std.math import fma
-from std.sys import size_of
+from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
@@ -454,6 +462,134 @@ def fold_staged_records[
 
 
 @always_inline
+def tree_is_valid[
+    RING_LEN: Int
+](
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
+    nodes_at: Int,
+    window: Int,
+    accepted: Int,
+) -> Bool:
+    """Whether a tree verify's request may run: its window fits the ring, each node's
+    parent is -1 or an earlier node (so every root path ends, and its nodes come before
+    the node), and the first `accepted` entries of its previous path are nodes of the
+    ring in increasing order (fold_gpu.path_is_valid). Every lane reads the same."""
+    if window > RING_LEN:
+        return False
+    for node in range(window):
+        var parent = Int(parents[unsafe_offset=nodes_at + node])
+        if parent < -1 or parent >= node:
+            return False
+    var previous = -1
+    for t in range(accepted):
+        var node = Int(previous_nodes[unsafe_offset=nodes_at + t])
+        if node <= previous or node >= RING_LEN:
+            return False
+        previous = node
+    return True
+
+
+@always_inline
+def warp_ring_visible():
+    """Makes every global store a lane of the warp issued before it visible to every
+    lane's loads after it: a fence of the lane's stores at the CTA's scope (the warp is
+    the block), then the warp's barrier, which orders memory among the lanes that pass
+    it (PTX bar.warp.sync)."""
+    inlined_assembly["fence.acq_rel.cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
+    syncwarp()
+
+
+@always_inline
+def fold_ring_record[
+    ROWS: Int, CV: Int, //, K: Int, V: Int, CHANNEL: Bool
+](
+    mut held: Array[SIMD[DType.float32, CV], ROWS],
+    ring: Pointer[Float32, MutAnyOrigin],
+    record: Int,
+    group_size: Int,
+    group_slot: Int,
+    column: Int,
+    lane: Int,
+):
+    """Applies the record at `record` in the ring to the held state as the fold does,
+    S = fma(k, u, S * decay), from the ring itself (`column`: the thread's first column
+    in the head)."""
+    var u = ring.unsafe_load[width=CV, alignment=CV * 4](
+        record + delta_offset[K, V](group_slot) + column
+    )
+    var d = Array[Float32, ROWS](uninitialized=True)
+    comptime if CHANNEL:
+        comptime for m in range(ROWS):
+            d[m] = ring[unsafe_offset=record + channel_decay_offset[K, V](group_size, group_slot)
+                + m * REDUCTION_LANES + lane]
+    else:
+        var one = ring[unsafe_offset=record + decay_offset[K, V](group_size, group_slot)]
+        comptime for m in range(ROWS):
+            d[m] = one
+    comptime for m in range(ROWS):
+        var k = ring[unsafe_offset=record + key_offset() + m * REDUCTION_LANES + lane]
+        held[m] = fma(SIMD[DType.float32, CV](k), u, held[m] * d[m])
+
+
+@always_inline
+def fold_root_path[
+    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool
+](
+    mut held: Array[SIMD[DType.float32, CV], ROWS],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    request: Int,
+    parent: Int,
+    first_record: Int,
+    record_stride: Int,
+    start: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    group_slot: Int,
+    column: Int,
+    lane: Int,
+):
+    """Folds node `parent`'s root path into the held (committed) state, root first, as
+    the tree verify on the CPU does: `S = fma(k, u, S * d)` of each ancestor, from its
+    raw key and decay (the window's inputs, the very floats its record holds) and its
+    delta columns (its record in the ring, first at `first_record`, which this warp
+    wrote). A root path's nodes increase from the root (each parent comes before its
+    child), so the path in order is its nodes' set in increasing order."""
+    var on_path = 0
+    var ancestor = parent
+    while ancestor >= 0:  # parents checked: each step goes to an earlier node
+        on_path |= 1 << ancestor
+        ancestor = Int(parents[unsafe_offset=request * RING_LEN + ancestor])
+    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+    for node in range(parent + 1):
+        if (on_path >> node) & 1 == 0:
+            continue
+        var t = start + node
+        var k_at = t * qkv_width + (num_key_heads + key_head) * K
+        var d_at = t * num_value_heads + value_head
+        var u = ring.unsafe_load[width=CV, alignment=CV * 4](
+            first_record + node * record_stride + delta_offset[K, V](group_slot) + column
+        )
+        var d = Array[Float32, ROWS](uninitialized=True)
+        comptime if CHANNEL:
+            comptime for m in range(ROWS):
+                d[m] = decay[unsafe_offset=d_at * K + m * REDUCTION_LANES + lane]
+        else:
+            var one = decay[unsafe_offset=d_at]
+            comptime for m in range(ROWS):
+                d[m] = one
+        comptime for m in range(ROWS):
+            var k = qkv[unsafe_offset=k_at + m * REDUCTION_LANES + lane]
+            # The fold's order: decay, rounded, then one fused step.
+            held[m] = fma(SIMD[DType.float32, CV](k), u, held[m] * d[m])
+
+
+@always_inline
 def hint_slab_rows[
     state_dtype: DType, //, K: Int, V: Int
 ](
@@ -479,10 +615,8 @@ def hint_slab_rows[
             prefetch_l2(hinted_rows.unsafe_offset(m * REDUCTION_LANES * V))
 
 
-@__llvm_metadata(
-    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
-)
-def windows_gpu_latency_kernel[
+@always_inline
+def latency_unit[
     state_dtype: DType,
     K: Int,
     V: Int,
@@ -490,7 +624,8 @@ def windows_gpu_latency_kernel[
     RECORD: Bool,
     FOLD_PREVIOUS: Bool,
     CV: Int,
-    CHANNEL: Bool = False,
+    CHANNEL: Bool,
+    TREE: Bool,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -511,9 +646,15 @@ def windows_gpu_latency_kernel[
     num_key_heads_i32: Int32,
     record_stride_i32: Int32,
     dependent_i32: Int32,
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
 ):
     """One warp's unit: a request on one slab of SLAB value columns of one value head,
-    its state in the warp's registers from the first load to the last store."""
+    its state in the warp's registers from the first load to the last store.
+
+    With `TREE` (windows_gpu_latency_tree_kernel) the window is a token tree, node i a
+    child of node `parents[request, i]`; `parents` and `previous_nodes` are read with
+    TREE alone."""
     comptime SLAB = latency_slab_columns[CV]()
     comptime SLABS_PER_HEAD = V // SLAB
     comptime ROWS = K // REDUCTION_LANES
@@ -597,6 +738,14 @@ def windows_gpu_latency_kernel[
     var bad_id = row >= num_rows
     bad_id = bad_id or (RECORD and not commit and ring_row >= num_ring_rows)
     bad_id = bad_id or (accepted > 0 and previous_row >= num_ring_rows)
+    comptime if TREE:
+        # A tree's tables are trusted for speed too, but never followed: a window past
+        # the ring (it would commit, and a tree has no one path to commit), a parent
+        # that is neither -1 nor an earlier node, or a previous path out of order or
+        # past the ring sends the request away before any load of the state or the ring.
+        bad_id = bad_id or not tree_is_valid[RING_LEN](
+            parents, previous_nodes, request * RING_LEN, end - start, accepted
+        )
     if bad_id:
         # Never follow an id out of bounds; make the request's readout loudly invalid.
         if writes_column:
@@ -666,9 +815,10 @@ def windows_gpu_latency_kernel[
         # 1. Everything the pass needs first is in flight at once.
         var state_rows = head_rows.unsafe_offset(pass_start)
         if staging:
-            var first_records = min(CHUNK, accepted)
-            if first_records > 0:
-                copy_records(0, first_records)
+            comptime if not TREE:  # a tree's fold on load reads its path from the ring
+                var first_records = min(CHUNK, accepted)
+                if first_records > 0:
+                    copy_records(0, first_records)
             copy_tokens(start, min(CHUNK, end - start))
             async_copy_commit_group()
         # held[m] is state row m * 8 + lane of the thread's CV columns.
@@ -692,15 +842,25 @@ def windows_gpu_latency_kernel[
         # 2. Fold on load: the previous step's accepted records, as the fold applies them.
         comptime if FOLD_PREVIOUS:
             if accepted > 0:
-                for chunk_start in range(0, accepted, CHUNK):
-                    var count = min(CHUNK, accepted - chunk_start)
-                    if chunk_start > 0:
-                        syncwarp()  # every lane is done with the previous chunk
-                        copy_records(chunk_start, count)
-                        async_copy_commit_group()
-                        async_copy_wait_all()
-                        syncwarp()
-                    fold_staged_records[K, CHANNEL](held, staged, count, staged_column, lane)
+                comptime if TREE:
+                    # The previous step's accepted path (previous_nodes), node by node
+                    # from the ring, as the path fold applies it.
+                    for t in range(accepted):
+                        var node = Int(previous_nodes[unsafe_offset=request * RING_LEN + t])
+                        fold_ring_record[K, V, CHANNEL](
+                            held, ring, records_at + node * record_stride, group_size,
+                            group_slot, column, lane,
+                        )
+                else:
+                    for chunk_start in range(0, accepted, CHUNK):
+                        var count = min(CHUNK, accepted - chunk_start)
+                        if chunk_start > 0:
+                            syncwarp()  # every lane is done with the previous chunk
+                            copy_records(chunk_start, count)
+                            async_copy_commit_group()
+                            async_copy_wait_all()
+                            syncwarp()
+                        fold_staged_records[K, CHANNEL](held, staged, count, staged_column, lane)
                 # What a separate fold leaves in the pool, and what the window reads back.
                 comptime for m in range(ROWS):
                     held[m] = held[m].cast[state_dtype]().cast[DType.float32]()
@@ -722,6 +882,32 @@ def windows_gpu_latency_kernel[
             comptime for c in range(CHUNK):
                 if c < count:
                     var token = chunk_start + c
+                    comptime if TREE:
+                        var node = token - start
+                        var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
+                        # `held` holds node - 1's state (the committed state before node
+                        # 0); a node whose parent is another starts from the committed
+                        # state with its parent's root path folded in. The parent is the
+                        # warp's (every lane read it), so the warp branches as one.
+                        if parent != node - 1:
+                            # The committed state: the pool, which a verify never writes
+                            # but for a fold on load's result, stored above by this very
+                            # thread (the same addresses: program order).
+                            comptime for m in range(ROWS):
+                                held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
+                                    m * REDUCTION_LANES * V
+                                ).cast[DType.float32]()
+                            # The root path's delta columns of this thread were stored
+                            # to the ring by other lanes of this warp (the lanes that
+                            # write each column): their stores must be visible to this
+                            # lane's loads.
+                            warp_ring_visible()
+                            fold_root_path[K, V, RING_LEN, CHANNEL](
+                                held, ring, qkv, decay, parents, request, parent,
+                                record_row_base * record_stride, record_stride, start,
+                                num_key_heads, key_head, num_value_heads, value_head,
+                                group_slot, column, lane,
+                            )
                     var readout_and_delta = slab_token[K, CHANNEL](
                         held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
                         query_scales[c], c * SLAB + staged_column + slot, lane,
@@ -744,3 +930,125 @@ def windows_gpu_latency_kernel[
         # 4. A forward, or a window too long for the ring, commits the state.
         if commit and (end > start or accepted > 0):
             store_state()
+
+
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
+)
+def windows_gpu_latency_kernel[
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    RECORD: Bool,
+    FOLD_PREVIOUS: Bool,
+    CV: Int,
+    CHANNEL: Bool = False,
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch_i32: Int32,
+    num_tokens_i32: Int32,
+    num_rows_i32: Int32,
+    num_ring_rows_i32: Int32,
+    num_value_heads_i32: Int32,
+    num_key_heads_i32: Int32,
+    record_stride_i32: Int32,
+    dependent_i32: Int32,
+):
+    """One warp's unit: a request on one slab of SLAB value columns of one value head,
+    its state in the warp's registers from the first load to the last store (a chain
+    verify, a verify with fold on load, or a forward: latency_unit)."""
+    latency_unit[state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CV, CHANNEL, False](
+        readout,
+        state,
+        ring,
+        qkv,
+        decay,
+        beta,
+        row_ids,
+        ring_row_ids,
+        offsets,
+        previous_ring_row_ids,
+        previous_accepted,
+        batch_i32,
+        num_tokens_i32,
+        num_rows_i32,
+        num_ring_rows_i32,
+        num_value_heads_i32,
+        num_key_heads_i32,
+        record_stride_i32,
+        dependent_i32,
+        Pointer[Int32, ImmutAnyOrigin](unsafe_from_address=Int(row_ids)),  # read with TREE alone
+        row_ids,
+    )
+
+
+@__llvm_metadata(
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
+)
+def windows_gpu_latency_tree_kernel[
+    state_dtype: DType,
+    K: Int,
+    V: Int,
+    RING_LEN: Int,
+    FOLD_PREVIOUS: Bool,
+    CV: Int,
+    CHANNEL: Bool = False,
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    state: Pointer[Scalar[state_dtype], MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    offsets: Pointer[UInt32, ImmutAnyOrigin],
+    previous_ring_row_ids: Pointer[UInt32, ImmutAnyOrigin],
+    previous_accepted: Pointer[UInt32, ImmutAnyOrigin],
+    batch_i32: Int32,
+    num_tokens_i32: Int32,
+    num_rows_i32: Int32,
+    num_ring_rows_i32: Int32,
+    num_value_heads_i32: Int32,
+    num_key_heads_i32: Int32,
+    record_stride_i32: Int32,
+    dependent_i32: Int32,
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
+):
+    """The tree verify's unit (latency_unit with TREE): a request's token tree on one
+    slab of one value head. It records, as a chain verify does, and never commits."""
+    latency_unit[state_dtype, K, V, RING_LEN, True, FOLD_PREVIOUS, CV, CHANNEL, True](
+        readout,
+        state,
+        ring,
+        qkv,
+        decay,
+        beta,
+        row_ids,
+        ring_row_ids,
+        offsets,
+        previous_ring_row_ids,
+        previous_accepted,
+        batch_i32,
+        num_tokens_i32,
+        num_rows_i32,
+        num_ring_rows_i32,
+        num_value_heads_i32,
+        num_key_heads_i32,
+        record_stride_i32,
+        dependent_i32,
+        parents,
+        previous_nodes,
+    )

@@ -1,6 +1,6 @@
 """Checks and launches the window kernels behind `gdfold_verify_ring`,
-`gdfold_verify_ring_fold_on_load` and `gdfold_recurrence`, and the CPU path of the tree
-verify (`gdfold_verify_tree`, `TREE`), which has no GPU kernel yet.
+`gdfold_verify_ring_fold_on_load` and `gdfold_recurrence`, and of the tree verify
+(`gdfold_verify_tree`, `TREE`: the CPU path, or on a GPU the latency kernel's TREE twin).
 
 Shape checks run for both targets before anything is launched. On the CPU the row
 tables and offsets are host memory, so they are checked too before the first store.
@@ -29,6 +29,7 @@ from .window_gpu_latency import (
     latency_column_vector,
     latency_slab_columns,
     windows_gpu_latency_kernel,
+    windows_gpu_latency_tree_kernel,
 )
 from .window_gpu_staging import (
     COPY_FLOATS,
@@ -331,7 +332,8 @@ def run_windows[
     `CHANNEL` (a decay of [T, nv, K]) runs on either GPU kernel; GPU_PATH_AUTO picks
     the latency kernel for it (channel_uses_latency_kernel). `TREE` (a tree verify:
     RECORD, with the parents table, and with FOLD_PREVIOUS the previous accepted paths)
-    runs on the CPU alone: on a GPU it raises before anything is enqueued."""
+    runs on the CPU and, on a GPU, on the latency kernel alone (whatever GPU_PATH says),
+    which checks the parents and previous paths itself (they are device memory there)."""
     comptime assert not TREE or RECORD, "a tree verify records"
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
@@ -346,11 +348,6 @@ def run_windows[
     var num_key_heads = check_window_operands[
         K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL, TREE
     ](operands)
-    comptime if target == "gpu" and TREE:
-        raise Error(
-            "gdfold_verify_tree: the tree verify runs on the CPU only for now (there is no"
-            " GPU kernel of it yet); build its graph for the CPU"
-        )
     comptime if target == "gpu":
         check_window_gpu(ctx)
     var batch = operands.batch
@@ -385,7 +382,29 @@ def run_windows[
         windows_cpu[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL, TREE](
             operands, num_value_heads, num_key_heads, record_stride
         )
-    elif target == "gpu" and not TREE:
+    elif target == "gpu" and TREE:
+        # A tree verify runs on the latency kernel whatever GPU_PATH says (the throughput
+        # kernel is chain-only). Its parents and previous paths are device memory: the
+        # kernel checks them before any load and skips a request whose tables are bad.
+        var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
+        comptime LATENCY_CV = latency_column_vector[K, V]()
+        var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
+        comptime tree_kernel = windows_gpu_latency_tree_kernel[
+            state_dtype, K, V, RING_LEN, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
+        ]
+        var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
+        ctx.enqueue_function[tree_kernel](
+            operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
+            operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
+            operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
+            Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
+            Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
+            operands.parents, operands.previous_nodes,
+            grid_dim=latency_units,
+            block_dim=WARP_THREADS,
+            attributes=dependent_launch(dependent),
+        )
+    elif target == "gpu":
         # The SMs, read once: they size the grid and pick the kernel and the launch.
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
@@ -485,7 +504,5 @@ def run_windows[
                 "gdfold window op: per-channel gates reached the throughput kernel, which is"
                 " compiled for them only with gpu_path=\"throughput\""
             )
-    elif target == "gpu":
-        pass  # the tree verify raised above, before its checks of the GPU
     else:
         raise Error(t"unsupported target {target}")

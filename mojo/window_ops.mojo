@@ -20,9 +20,9 @@ The tree verify (`gdfold_verify_tree`, `gdfold_verify_tree_fold_on_load` and the
 `_channel` twins) runs a window whose tokens are the nodes of a token tree: node i steps
 from the state of node `parents[b, i]` (-1: the committed state) and writes record i;
 its fold on load folds the previous step's accepted path (`previous_accepted_nodes`).
-They run the verify's CPU code with its TREE switch on (window_cpu.mojo), on the CPU
-only for now: there is no GPU kernel of them yet, and on a GPU they raise. Their tiling
-parameters are fixed (run_windows needs them; the CPU does not read them).
+They run the verify's code with its TREE switch on: on the CPU window_cpu.mojo's, on a
+GPU the latency kernel's (window_gpu_latency.mojo), whatever the GPU path. Their tiling
+parameters are fixed (run_windows needs them; neither of those kernels reads them).
 """
 
 import extensibility
@@ -32,8 +32,8 @@ from max.gpu.host import DeviceContext
 from .window_launch import run_windows
 from .window_operands import WindowOperands
 
-# The column tile run_windows is instantiated with for the tree ops, which run on the CPU
-# alone (it shapes only GPU blocks): any tile that divides every V would do.
+# The column tile run_windows is instantiated with for the tree ops, which never run on
+# the throughput kernel (it shapes only its blocks): any tile that divides every V would do.
 comptime TREE_COLUMN_TILE = 8
 
 

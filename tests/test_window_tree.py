@@ -3,11 +3,17 @@ every node's readout and every record bit for bit against ``reference.verify_tre
 random trees and forests, fp32 and bf16 pools, head and per-channel gates, with and
 without fold on load of the previous accepted path; a chain gives the chain verify's
 bits; fold on load equals the fold along the path and then the tree; bad input refused
-with the pool and the ring untouched, by the host checks and by the CPU op; a graph on a
-GPU refused (there is no GPU kernel yet).
+with the pool and the ring untouched, by the host checks and by the CPU op.
 
-Every graph op runs in one graph (``range_matrix.run_many``), one compile; the eager
-tests add the eager fp32 head-gate fold-on-load tree graph.
+On the GPU (marked ``gpu``: the latency kernel's tree verify), the same random forests
+bit for bit against the reference in every variant, with and without fold on load; a
+chain gives the GPU chain verify's bits; inside a GPU graph a request with bad parents
+or a bad previous path is skipped (its readout NaN, its pool and ring rows as they
+were), the others exact; the eager API on a GPU, with gpu_path "throughput" (a tree
+runs on the latency kernel whatever the path).
+
+Every graph op of a device runs in one graph (``range_matrix.run_many``), one compile;
+the eager tests add the eager fp32 head-gate fold-on-load tree graph.
 """
 
 from __future__ import annotations
@@ -310,17 +316,6 @@ def test_eager_refuses_bad_input_untouched(runner: WindowRunner, eager_case: tup
     assert_bits_equal(ring, case.ring, "ring")
 
 
-@pytest.mark.gpu
-def test_eager_refuses_a_gpu(eager_case: tuple) -> None:
-    """The tree verify has no GPU kernel yet: a runner on a GPU refuses it, nothing written."""
-    case, parents, nodes, _ = eager_case
-    state, ring = case.fresh()
-    with pytest.raises(ValueError, match=r"the tree verify \(verify_tree\) runs on the CPU only for now"):
-        run_eager(runner_for("gpu"), case, parents, nodes, recurrent_state=state, ring=ring)
-    assert_bits_equal(state, case.state)
-    assert_bits_equal(ring, case.ring, "ring")
-
-
 #: (request, the parents of its first nodes, or None and the offsets of a long window;
 #: previous path of request 4, or None; error pattern) the CPU op refuses on its own.
 OP_REFUSALS = [
@@ -367,10 +362,9 @@ def test_cpu_op_refuses_bad_input_before_writing(runner: WindowRunner, eager_cas
     assert_bits_equal(ring, case.ring, "ring")
 
 
-def test_graph_refuses_a_gpu_and_bad_tables() -> None:
-    """While the graph is built: a pool on a GPU (no GPU kernel yet), parents or a
-    previous path table of a wrong rank, shape or dtype. (One graph for every case: each
-    graph loads the kernel package.)"""
+def test_graph_refuses_bad_tables() -> None:
+    """While the graph is built: parents or a previous path table of a wrong rank, shape
+    or dtype. (One graph for every case: each graph loads the kernel package.)"""
     k, v, nv, nk = SHAPE["key_dim"], SHAPE["value_dim"], SHAPE["num_value_heads"], SHAPE["num_key_heads"]
     cpu = DeviceRef.CPU()
     inputs = [TensorType(DType.float32, ["T", 2 * nk * k + nv * v], cpu), TensorType(DType.float32, ["T", nv], cpu),
@@ -378,15 +372,12 @@ def test_graph_refuses_a_gpu_and_bad_tables() -> None:
               BufferType(DType.float32, [16, nk, RING_LEN, 160], cpu),
               *(TensorType(DType.uint32, [n], cpu) for n in (BATCH, BATCH, BATCH + 1)),
               TensorType(DType.int32, [BATCH, RING_LEN], cpu), TensorType(DType.int32, [BATCH], cpu),
-              TensorType(DType.int32, [BATCH, RING_LEN + 1], cpu), TensorType(DType.float32, [BATCH, RING_LEN], cpu),
-              BufferType(DType.float32, [16, nv, k, v], DeviceRef.GPU(0))]
+              TensorType(DType.int32, [BATCH, RING_LEN + 1], cpu), TensorType(DType.float32, [BATCH, RING_LEN], cpu)]
     with Graph("bad_tree_tables", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
-        values = [x.buffer if i in (3, 4, 12) else x.tensor for i, x in enumerate(graph.inputs)]
-        window, (parents, flat, wide, floats, gpu_pool) = values[:8], values[8:]
+        values = [x.buffer if i in (3, 4) else x.tensor for i, x in enumerate(graph.inputs)]
+        window, (parents, flat, wide, floats) = values[:8], values[8:]
         rows = window[5]
         refusals = [
-            ({"recurrent_state": gpu_pool},
-             r"recurrent_state: lives on GPU 0; the tree verify \(verify_tree\) runs on the CPU only for now"),
             ({"parents": flat}, rf"parents: expected rank 2 \[batch, RING_LEN\], got shape \[{BATCH}\]"),
             ({"parents": wide}, rf"parents: shape \[{BATCH}, {RING_LEN + 1}\] is not \[batch, RING_LEN\]"),
             ({"parents": floats}, r"parents: dtype DType.float32 is not an integer dtype"),
@@ -414,3 +405,129 @@ def test_a_graph_casts_parents_without_wrapping() -> None:
     for dtype, (_, want) in PARENT_CASTS.items():
         got = casts[f"parents as {dtype}"][0]
         assert got.dtype == np.int32 and got.tolist() == want, dtype
+
+
+# On the GPU: the latency kernel's tree verify, every variant in one GPU graph.
+
+#: Inside a GPU graph the host checks nothing: request 0's node 2 names itself, request
+#: 5's node 1 names -2 (what the graph makes of a parent int32 cannot hold), and with fold
+#: on load request 4's previous path is out of order. The kernel skips those requests.
+BAD_PARENTS = {0: [-1, 0, 2], 5: [-1, -2]}
+BAD_PATH = {4: [1, 0, 2]}
+
+
+def bad_tables(parents: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    parents, nodes = parents.copy(), nodes.copy()
+    for b, entries in BAD_PARENTS.items():
+        parents[b, : len(entries)] = entries
+    for b, entries in BAD_PATH.items():
+        nodes[b, : len(entries)] = entries
+    return parents, nodes
+
+
+@cache
+def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
+    """run_all's trees (every variant, with and without fold on load) and chains (the
+    tree verify and the chain verify) on the GPU, and the fp32 head-gate case with the
+    bad tables of :data:`BAD_PARENTS` and :data:`BAD_PATH`; one GPU graph."""
+    calls: dict[str, Call] = {}
+    for dtype, gate in VARIANTS:
+        case, parents, nodes, counts = tree_case(variant_seed(dtype, gate), dtype, gate)
+        if dtype == "bfloat16":
+            parents = parents.astype(np.int64)
+            nodes = nodes.astype(np.int32)
+            for b in range(BATCH):
+                nodes[b, min(int(counts[b]), RING_LEN):] = -1
+        calls[f"tree {dtype} {gate}"] = tree_call(case, parents)
+        calls[f"fold on load {dtype} {gate}"] = tree_call(case, parents, nodes)
+    for dtype, gate in CHAIN_VARIANTS:
+        case = tree_case(variant_seed(dtype, gate), dtype, gate)[0]
+        calls[f"chain tree {dtype} {gate}"] = tree_call(case, chain_parents(BATCH, RING_LEN))
+        calls[f"chain ring {dtype} {gate}"] = ring_call(case)
+    case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
+    bad_parents, bad_nodes = bad_tables(parents, nodes)
+    calls["bad parents"] = tree_call(case, bad_parents)
+    calls["bad parents, fold on load"] = tree_call(case, bad_parents, bad_nodes)
+    results = run_many("gpu", "verify_tree_gpu", list(calls.values()))
+    got: dict[str, tuple[np.ndarray, ...]] = {}
+    for name, (readout, written) in zip(calls, results, strict=True):
+        assert readout is not None
+        got[name] = (readout, *written)
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "gate"), VARIANTS)
+def test_gpu_tree_matches_the_reference(state_dtype: str, gate: Gate) -> None:
+    case, parents, _, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
+    got = run_all_gpu()[f"tree {state_dtype} {gate}"]
+    assert_same(got, reference_tree(case, parents), "GPU tree vs reference")
+    assert_bits_equal(got[1], case.state, "the pool, which a tree verify does not write")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "gate"), VARIANTS)
+def test_gpu_fold_on_load_matches_the_reference(state_dtype: str, gate: Gate) -> None:
+    case, parents, nodes, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
+    got = run_all_gpu()[f"fold on load {state_dtype} {gate}"]
+    assert_same(got, reference_tree(case, parents, nodes), "GPU fold on load vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "gate"), CHAIN_VARIANTS)
+def test_gpu_chain_gives_the_gpu_chain_verify_bits(state_dtype: str, gate: Gate) -> None:
+    results = run_all_gpu()
+    case = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)[0]
+    chain = results[f"chain ring {state_dtype} {gate}"]
+    assert_same(chain, case.run_verify(reference.verify_ring, fold_on_load=False), "GPU chain verify vs reference")
+    assert_same(results[f"chain tree {state_dtype} {gate}"], chain, "GPU chain parents vs GPU chain verify")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold_on_load", [False, True], ids=["tree", "fold on load"])
+def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool) -> None:
+    """A request whose parents (or previous path) the kernel finds bad reads NaN and
+    leaves its pool row and ring rows as they were; every other request is the
+    reference's (run with the good tables)."""
+    case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
+    readout, state, ring = run_all_gpu()["bad parents, fold on load" if fold_on_load else "bad parents"]
+    want = reference_tree(case, parents, nodes if fold_on_load else None)
+    skipped = set(BAD_PARENTS) | (set(BAD_PATH) if fold_on_load else set())
+    offsets = case.input_row_offsets
+    for b in range(BATCH):
+        tokens = slice(int(offsets[b]), int(offsets[b + 1]))
+        row, ring_row = case.row_ids[b], case.ring_row_ids[b]
+        if b in skipped:
+            assert np.isnan(readout[tokens]).all(), b
+            assert_bits_equal(state[row], case.state[row], f"request {b}'s pool row, skipped")
+            assert_bits_equal(ring[ring_row], case.ring[ring_row], f"request {b}'s ring row, skipped")
+        else:
+            assert_bits_equal(readout[tokens], want[0][tokens], f"request {b}'s readout")
+            assert_bits_equal(state[row], want[1][row], f"request {b}'s pool row")
+            assert_bits_equal(ring[ring_row], want[2][ring_row], f"request {b}'s ring row")
+
+
+@pytest.mark.gpu
+def test_gpu_eager_tree_matches_the_reference(eager_case: tuple) -> None:
+    """The eager API on a GPU, its runner forced to the throughput kernel: a tree still
+    runs on the latency kernel, bit for bit, with and without a path to fold."""
+    runner = runner_for("gpu", "throughput")
+    case, parents, nodes, _ = eager_case
+    assert_same(run_eager(runner, case, parents, nodes), reference_tree(case, parents, nodes),
+                "GPU eager fold on load")
+    nothing = np.zeros(BATCH, np.uint32)
+    got = run_eager(runner, case, parents, nodes, previous_num_accepted=nothing)
+    quiet = WindowCase(**{**case.__dict__, "previous_num_accepted": nothing})
+    assert_same(got, reference_tree(quiet, parents), "GPU eager tree")
+
+
+@pytest.mark.gpu
+def test_gpu_eager_refuses_bad_parents_untouched(eager_case: tuple) -> None:
+    """On a GPU the eager API checks the tables on the host, as on the CPU."""
+    case, parents, nodes, _ = eager_case
+    state, ring = case.fresh()
+    bad_parents, _ = bad_tables(parents, nodes)
+    with pytest.raises(ValueError, match=r"parents: request 0 node 2 has parent 2"):
+        run_eager(runner_for("gpu", "throughput"), case, bad_parents, nodes, recurrent_state=state, ring=ring)
+    assert_bits_equal(state, case.state)
+    assert_bits_equal(ring, case.ring, "ring")

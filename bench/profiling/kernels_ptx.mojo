@@ -2,8 +2,9 @@
 RING_LEN 4), each after a `// kernel:` line: the fold (head and per-channel gates; along a
 chain and, last, along a token tree's accepted path), the latency kernel (verify, verify
 with fold on load and forward; head and per-channel gates; four columns a thread, and
-two), and the throughput kernel (each op; head and per-channel gates), in fp32 and bf16
-pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+two), the throughput kernel (each op; head and per-channel gates) and, last, the latency
+kernel's tree verify (with and without fold on load; head and per-channel gates; four
+columns a thread, and two with head gates), in fp32 and bf16 pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
@@ -12,7 +13,7 @@ identical leaves those kernels' bits and speed as they were.
 from max.gpu.host.compile import _compile_code, get_gpu_target
 from mojo.fold_gpu import fold_gpu_kernel, fold_path_gpu_kernel
 from mojo.window_gpu import windows_gpu_kernel
-from mojo.window_gpu_latency import windows_gpu_latency_kernel
+from mojo.window_gpu_latency import windows_gpu_latency_kernel, windows_gpu_latency_tree_kernel
 
 
 def op_name(record: Bool, fold_previous: Bool) -> String:
@@ -37,6 +38,15 @@ def latency[dtype: DType, record: Bool, fold_previous: Bool, cv: Int, channel: B
           "channel" if channel else "head", "1 slabs")
     print(_compile_code[
         windows_gpu_latency_kernel[dtype, 128, 128, 4, record, fold_previous, cv, channel],
+        target=get_gpu_target["sm_90a"](),
+    ]().asm)
+
+
+def latency_tree[dtype: DType, fold_previous: Bool, cv: Int, channel: Bool]():
+    print("// kernel: latency tree,", dtype, "fold on load" if fold_previous else "verify", cv,
+          "columns,", "channel" if channel else "head")
+    print(_compile_code[
+        windows_gpu_latency_tree_kernel[dtype, 128, 128, 4, fold_previous, cv, channel],
         target=get_gpu_target["sm_90a"](),
     ]().asm)
 
@@ -79,3 +89,11 @@ def main():
     fold_path[DType.bfloat16, 128, 16, False]()
     fold_path[DType.float32, 64, 8, True]()
     fold_path[DType.bfloat16, 128, 16, True]()
+    # The tree verify on the latency kernel, last: the kernels added after a revision
+    # leave every earlier kernel's label and position as they were.
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime for fold_previous in range(2):
+            latency_tree[dtype, fold_previous == 1, 4, False]()
+            latency_tree[dtype, fold_previous == 1, 4, True]()
+            latency_tree[dtype, fold_previous == 1, 2, False]()

@@ -8,11 +8,14 @@ at a narrow column tile), and per-channel gates (the fold, and the verify, fold 
 and forward on each window kernel). Then what only a graph reaches (the eager API refuses
 bad ids on the host): ids past the pool or the ring in GPU graphs of every op and kernel
 (``skips``), and two requests on one row, which race by contract (``shared-row``:
-memcheck only). Small enough to run under compute-sanitizer (sanitize.sh), which runs
-the groups side by side:
+memcheck only). ``tree``: the tree verify on the latency kernel (random forests, fp32
+and bf16 pools, head and per-channel gates, with and without fold on load of a previous
+path, eagerly; then in GPU graphs, requests with bad parents or a bad previous path
+skipped). Small enough to run under compute-sanitizer (sanitize.sh), which runs the
+groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold path latency throughput claimed channel skips shared-row
+    # fold path latency throughput claimed channel skips shared-row tree
 """
 
 from __future__ import annotations
@@ -192,6 +195,64 @@ def run_skips() -> None:
                       (want_out, want_pool, window.ring), window, 1)
 
 
+#: The tree group's windows (RING_LEN 4): full ones, an empty one, a single node.
+TREE_WINDOWS = [4, 0, 1, 4, 3]
+
+
+def run_trees() -> None:
+    """The tree verify on the GPU (the latency kernel, whatever the runner's path),
+    eagerly, bit for bit against the reference; then GPU graphs whose request 0 has a
+    node that names itself as parent and, with fold on load, whose request 3 has a
+    previous path out of order: those requests are skipped, the others exact."""
+    windows, ring_len = TREE_WINDOWS, 4
+    batch = len(windows)
+    runner = runner_for("gpu")
+    for gate in ("head", "channel"):
+        for dtype in ("float32", "bfloat16"):
+            case = random_window_case(7, windows=windows, state_dtype=dtype, gate=gate)
+            parents = random_parents(7, windows, ring_len)
+            nodes, counts = random_accepted_nodes(8, random_parents(8, [ring_len] * batch, ring_len),
+                                                  [ring_len] * batch)
+            case.previous_num_accepted[:] = counts
+            tables = {"row_ids": case.row_ids, "ring_row_ids": case.ring_row_ids,
+                      "input_row_offsets": case.input_row_offsets}
+            previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                        "previous_num_accepted": case.previous_num_accepted, "previous_accepted_nodes": nodes}
+            for fold_on_load in (False, True):
+                extra = previous if fold_on_load else {}
+                state, ring = case.fresh()
+                got = runner.verify_tree(*case.tokens(), state, ring, **tables, parents=parents, **extra)
+                want_state, want_ring = case.fresh()
+                want = reference.verify_tree(*case.tokens(), want_state, want_ring, **tables, parents=parents,
+                                             **extra)
+                what = f"tree verify{' with fold on load' if fold_on_load else ''}, {dtype} pool, {gate} gates"
+                for name, a, b in zip(("readout", "pool", "ring"), (got, state, ring), (want, want_state, want_ring),
+                                      strict=True):
+                    same_bits(a, b, f"{what}: {name}")
+    # In GPU graphs: request 0's node 1 names itself; with fold on load, either that or
+    # request 0's previous path backwards (it folds the whole ring, in order, otherwise).
+    case = random_window_case(9, windows=windows, previous_num_accepted=[4, 2, 0, 1, 3])
+    parents = random_parents(9, windows, ring_len)
+    nodes = np.tile(np.arange(ring_len, dtype=np.uint32), (batch, 1))
+    bad_parents = parents.copy()
+    bad_parents[0, 1] = 1
+    bad_nodes = nodes.copy()
+    bad_nodes[0] = nodes[0, ::-1]
+    tables = {"row_ids": case.row_ids, "ring_row_ids": case.ring_row_ids,
+              "input_row_offsets": case.input_row_offsets, "parents": parents}
+    previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                "previous_num_accepted": case.previous_num_accepted, "previous_accepted_nodes": nodes}
+    runs = [("tree", {"parents": bad_parents}, "parents"),
+            ("tree_fold_on_load", {"parents": bad_parents}, "parents"),
+            ("tree_fold_on_load", {"previous_accepted_nodes": bad_nodes}, "previous path")]
+    for kind, bad, what in runs:
+        extra = previous if kind == "tree_fold_on_load" else {}
+        state, ring = case.fresh()
+        want = reference.verify_tree(*case.tokens(), state, ring, **tables, **extra)
+        got = run_in_graph(runner, kind, case, tables | extra | bad)
+        check_skipped(f"{kind} in a graph, request 0's {what} bad", got, (want, state, ring), case, 0)
+
+
 def run_shared_row() -> None:
     """Two requests of one layer on one pool row (padding on a null block): they race by
     contract, so only memcheck runs this; every other row must fold exactly."""
@@ -220,6 +281,7 @@ GROUPS = {
     "channel": run_channel,
     "skips": run_skips,
     "shared-row": run_shared_row,
+    "tree": run_trees,
 }
 
 

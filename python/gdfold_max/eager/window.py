@@ -1,4 +1,4 @@
-"""Eager verify (of a chain or, on the CPU, of a token tree) and forward: numpy (or MAX
+"""Eager verify (of a chain or of a token tree) and forward: numpy (or MAX
 ``Buffer``) in, cached compiled graphs underneath.
 
 Every operand is validated on the host before the first byte is written, so a bad call
@@ -303,20 +303,18 @@ class WindowRunner(CompiledGraphs):
         window as a token tree (``parents`` ``[batch, RING_LEN]``), with fold on load of
         the previous step's accepted path when the three previous tables are given;
         returns every node's readout. The ring (and, with fold on load, the pool) is
-        written in place. On the CPU only for now (there is no GPU kernel of the tree
-        verify yet).
+        written in place. On a GPU it runs on the latency kernel, whatever the runner's
+        ``gpu_path`` (the throughput kernel runs chains only); the tables are checked
+        here, on the host, before anything is written, on either device.
 
         Raises:
             TypeError, ValueError: naming the bad argument, nothing written: besides
-                :meth:`verify_ring`'s checks, a runner on a GPU, ``parents`` that do not
+                :meth:`verify_ring`'s checks, ``parents`` that do not
                 describe trees of the windows or a window longer than RING_LEN
                 (``trees.check_parents``), a previous path with a node past the ring or
                 out of order (``trees.check_path_nodes``), only some of the three
                 previous tables.
         """
-        if self.device.label != "cpu":
-            raise ValueError(f"device: {self.device.label}:{self.device.id}; the tree verify (verify_tree) runs on"
-                             " the CPU only for now (there is no GPU kernel of it yet)")
         tables = {"row_ids": row_ids, "ring_row_ids": ring_row_ids, "input_row_offsets": input_row_offsets}
         kind = "tree"
         if previous_path_given(previous_ring_row_ids, previous_num_accepted, previous_accepted_nodes):

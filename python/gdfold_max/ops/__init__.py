@@ -4,7 +4,7 @@
   ``Graph(..., custom_extensions=[...])``, and the names the ops are registered under;
 * :mod:`.fold`: ``state_fold`` and the fold's GPU tiling;
 * :mod:`.window`: ``verify_ring`` (optionally folding on load), ``verify_tree`` (token
-  trees, CPU only for now) and ``recurrence``, and the window kernels' GPU tiling and paths;
+  trees) and ``recurrence``, and the window kernels' GPU tiling and paths;
 * :mod:`.checks`: the build-time checks those share (shapes, dtypes, the ring, row tables);
 * :mod:`.shared_memory`: a GPU window block's shared memory, counted as the kernel counts it.
 

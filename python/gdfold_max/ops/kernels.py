@@ -29,7 +29,7 @@ VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
 #: The tree verify (a ``parents`` table: each window a token tree), with and without fold
-#: on load of the previous accepted path; CPU only for now.
+#: on load of the previous accepted path; on a GPU, the latency kernel.
 VERIFY_TREE_OP_NAME = "gdfold_verify_tree"
 VERIFY_TREE_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_tree_fold_on_load"
 #: The window ops with per-channel gates (a ``[T, nv, K]`` decay) are these names plus this.

@@ -1,6 +1,6 @@
 """Graph-level functions for the recurrence over token windows: ``verify_ring`` (with
-or without fold on load), ``verify_tree`` (each window a token tree; the CPU only for
-now) and ``recurrence``, the plain forward.
+or without fold on load), ``verify_tree`` (each window a token tree; on a GPU, the
+latency kernel) and ``recurrence``, the plain forward.
 
 A graph that calls these must be built with ``custom_extensions=[kernels_path()]``
 (``gdfold_max.ops.kernels``). The arithmetic runs in one fixed, documented order (see
@@ -342,8 +342,8 @@ def verify_tree(
     previous_accepted_nodes: TensorValue | None = None,
 ) -> TensorValue:
     """Runs each request's window as a token tree, recording into the ring; returns every
-    node's readout. On the CPU only for now: there is no GPU kernel of the tree verify
-    yet, and a graph for a GPU is refused.
+    node's readout. On the CPU, or on an NVIDIA Hopper GPU on the latency kernel (the
+    throughput kernel runs chains only, and a tree takes no ``gpu_path``).
 
     The window's tokens are the tree's nodes in topological order (``gdfold_max.trees``):
     node ``i`` of request ``b`` steps from the fp32 state of node ``parents[b, i]`` (for
@@ -383,17 +383,16 @@ def verify_tree(
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, for only
-            some of the three previous tables, or for a graph on a GPU. At run time (on
-            the CPU), before anything is written: a bad id or offsets, a window longer
-            than RING_LEN, a parent that is not -1 or an earlier node of its window, a
-            previous path with a node past the ring or out of order, a ring row both
-            folded from and recorded into.
+            some of the three previous tables, or a GPU that is not a Hopper. At run
+            time on the CPU, before anything is written: a bad id or offsets, a window
+            longer than RING_LEN, a parent that is not -1 or an earlier node of its
+            window, a previous path with a node past the ring or out of order, a ring row
+            both folded from and recorded into. On the GPU these tables are not read on
+            the host: the kernel never follows a bad one, but skips that request before
+            any load (its readout NaN; its ring records and pool row not written), as
+            :func:`verify_ring` does for a bad id.
     """
-    if recurrent_state.device.is_gpu():
-        raise ValueError(
-            f"recurrent_state: lives on GPU {recurrent_state.device.id}; the tree verify (verify_tree) runs on the"
-            " CPU only for now (there is no GPU kernel of it yet). Build its graph for the CPU."
-        )
+    check_window_device(recurrent_state.device)
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     ring_len = parameters["RING_LEN"]

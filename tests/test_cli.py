@@ -109,6 +109,17 @@ def test_bench_step_refuses_a_window_outside_the_ring(window: str) -> None:
     assert "--window" in result.output and f"{window} is not in 1 to 16" in result.output
 
 
+@pytest.mark.parametrize(("tree", "message"), [
+    ("32x6", "has 32 nodes;"),
+    ("8x1", "has depth 1; give 2 to 8"),
+    ("16-5", "is not NODESxDEPTH"),
+])
+def test_bench_step_refuses_a_tree_it_cannot_time(tree: str, message: str) -> None:
+    result = runner.invoke(app, ["bench-step", "--device", "cpu", "--tree", tree, "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--tree" in result.output and message in " ".join(result.output.split())
+
+
 def test_bench_step_times_max_s_verify_only_at_its_compiled_ring_lengths() -> None:
     """MAX 26.7 compiles its ring kernels for RING_LEN 2, 4 and 8; its forward (the plain
     decoding op) runs at every window; no MAX op on the CPU."""

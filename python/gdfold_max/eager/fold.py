@@ -7,7 +7,9 @@ leaves the pool and the ring untouched.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -15,9 +17,10 @@ from max.driver import Device
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import Module as GraphModule
 
 from ..layout import Gate, check_gate
-from ..ops.fold import check_table_shapes, fold_parameters, state_fold
+from ..ops.fold import check_table_shapes, fold_parameters, fold_tiling, state_fold
 from ..ops.kernels import kernels_path
 from ..trees import check_path_nodes
 from .base import (
@@ -113,9 +116,32 @@ class StateFolder(CompiledGraphs):
         """The compiled fold for these static dims, compiled on first use; ``path``: the
         fold along accepted paths (an ``accepted_nodes`` input after ``num_accepted``)."""
         key = (state_dtype, gate, path, *sorted(parameters.items()))
-        return self.compiled(key, lambda: self._build(state_dtype, parameters, gate, path))
+        return self.compiled(key, lambda module: self._build(state_dtype, parameters, gate, path, module))
 
-    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate, path: bool = False) -> Graph:
+    def precompile(self, state_dtypes: Iterable[DType | str], *, key_dim: int, value_dim: int, ring_len: int,
+                   gates: Iterable[Gate] = ("head",), paths: Iterable[bool] = (False,)) -> None:
+        """Compiles the fold of every state dtype, gate and kind (``paths``: False for
+        the chain's fold, True for the fold along accepted paths) for these static dims
+        together, in one module (:meth:`compile_together`), so that folds after it
+        compile nothing.
+
+        Raises:
+            ValueError: dims or a tiling the fold refuses (as a call would).
+        """
+        builds = {}
+        for dtype in state_dtypes:
+            state_dtype = DType[dtype] if isinstance(dtype, str) else dtype
+            parameters = {"K": key_dim, "V": value_dim, "RING_LEN": ring_len} | fold_tiling(
+                key_dim, value_dim, state_dtype, self.key_dim_tile, self.rows_per_thread)
+            for gate in gates:
+                check_gate(gate)
+                for path in paths:
+                    key = (state_dtype, gate, path, *sorted(parameters.items()))
+                    builds[key] = partial(self._build, state_dtype, parameters, gate, path)
+        self.compile_together(builds)
+
+    def _build(self, state_dtype: DType, parameters: dict[str, int], gate: Gate, path: bool = False,
+               module: GraphModule | None = None) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
         inputs = [
@@ -128,7 +154,7 @@ class StateFolder(CompiledGraphs):
         if path:
             inputs.append(TensorType(DType.uint32, ["batch", ring_len], where))
         name = f"gdfold_fold{'_path' if path else ''}_{gate}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
-        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
             state, ring, row_ids, ring_row_ids, accepted, *nodes = graph.inputs
             state_fold(
                 state.buffer,

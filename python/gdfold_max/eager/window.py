@@ -8,7 +8,9 @@ raises ``ValueError`` (or ``TypeError``) and leaves the pool and the ring untouc
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -16,8 +18,9 @@ from max.driver import CPU
 from max.dtype import DType
 from max.engine import Model
 from max.graph import BufferType, DeviceRef, Graph, TensorType
+from max.graph import Module as GraphModule
 
-from ..layout import Gate
+from ..layout import Gate, check_gate
 from ..ops.checks import pool_dims, ring_parameters
 from ..ops.kernels import kernels_path
 from ..ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring, verify_tree
@@ -36,6 +39,9 @@ from .base import (
 from .fold import path_table
 
 _TOKEN_INPUTS = ("qkv", "decay", "beta")
+#: The graphs a window runner compiles: the verify, with fold on load, the forward, and
+#: the tree verify with and without fold on load.
+WINDOW_KINDS = ("verify", "fold_on_load", "forward", "tree", "tree_fold_on_load")
 
 
 def _check_lengths(tables: dict[str, np.ndarray], batch: int) -> None:
@@ -184,11 +190,39 @@ class WindowRunner(CompiledGraphs):
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled graph of ``kind`` (verify, fold_on_load, forward, tree or
         tree_fold_on_load), built on first use."""
-        key = (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
-               parameters.get("CHANNEL", 0))
-        return self.compiled(key, lambda: self._build(kind, state_dtype, parameters))
+        return self.compiled(self._key(kind, state_dtype, parameters),
+                             lambda module: self._build(kind, state_dtype, parameters, module))
 
-    def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Graph:
+    @staticmethod
+    def _key(kind: str, state_dtype: DType, parameters: dict[str, int]) -> tuple[object, ...]:
+        return (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
+                parameters.get("CHANNEL", 0))
+
+    def precompile(self, kinds: Iterable[str], state_dtypes: Iterable[DType | str], *, key_dim: int, value_dim: int,
+                   ring_len: int, gate: Gate = "head") -> None:
+        """Compiles the graphs of every kind (``"verify"``, ``"fold_on_load"``,
+        ``"forward"``, ``"tree"``, ``"tree_fold_on_load"``) and state dtype for these
+        static dims together, in one module (:meth:`compile_together`), so that calls
+        after it compile nothing. Worth it before several kinds or dtypes are called:
+        the kernels they share compile once.
+
+        Raises:
+            ValueError: an unknown kind, or dims the ops refuse (as a call would).
+        """
+        check_gate(gate)
+        builds = {}
+        for kind in kinds:
+            if kind not in WINDOW_KINDS:
+                raise ValueError(f"kinds: {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
+            parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1 if kind == "forward" else ring_len,
+                          "CHANNEL": int(gate == "channel")}
+            for dtype in state_dtypes:
+                state_dtype = DType[dtype] if isinstance(dtype, str) else dtype
+                builds[self._key(kind, state_dtype, parameters)] = partial(self._build, kind, state_dtype, parameters)
+        self.compile_together(builds)
+
+    def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int],
+               module: GraphModule | None = None) -> Graph:
         where = DeviceRef.from_device(self.device)
         k, v, ring_len = parameters["K"], parameters["V"], parameters["RING_LEN"]
         tiling: WindowTiling = {"column_tile": self.column_tile, "requests_per_block": self.requests_per_block,
@@ -215,7 +249,7 @@ class WindowRunner(CompiledGraphs):
                 rows.append(TensorType(u32, ["batch", ring_len], where))
         inputs += rows
         name = f"gdfold_{kind}{'_channel' if channel else ''}_{state_dtype.name}_k{k}_v{v}_r{ring_len}"
-        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        with Graph(name, input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
             qkv, decay, beta = (x.tensor for x in graph.inputs[:3])
             state = graph.inputs[3].buffer
             if kind == "forward":

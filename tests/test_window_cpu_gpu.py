@@ -29,7 +29,14 @@ def device(target: tuple[str, str]) -> str:
 
 @pytest.fixture(scope="session")
 def runner(target: tuple[str, str]) -> WindowRunner:
-    return runner_for(*target)
+    runner = runner_for(*target)
+    if target[0] == "cpu":
+        # The graphs this file's CPU tests call, compiled together: the kernels they share
+        # compile once (RING_LEN 8's fold on load compiles when first called).
+        runner.precompile([(kind, dtype) for kind in ("verify", "fold_on_load", "forward") for dtype in DTYPES],
+                          key_dim=64, value_dim=64, ring_len=4)
+        folder_for("cpu").precompile(DTYPES, key_dim=64, value_dim=64, ring_len=4)
+    return runner
 
 
 def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], what: str) -> None:
@@ -54,6 +61,20 @@ def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> Non
     committed = case.row_ids[3]
     untouched = np.setdiff1d(np.arange(case.state.shape[0]), [committed])
     assert_bits_equal(got[1][untouched], case.state[untouched], "rows a verify may not write")
+
+
+def test_precompiled_graphs_serve_the_calls(runner: WindowRunner, device: str) -> None:
+    """After ``precompile`` a verify, a fold on load and a forward of those dims compile
+    nothing more."""
+    if device != "cpu":
+        pytest.skip("the GPU runners compile as they are called")
+    compiled = runner.compiled_keys
+    case = random_window_case(3, state_dtype="bfloat16")
+    case.run_verify(runner.verify_ring, fold_on_load=True)
+    case.run_verify(runner.verify_ring, fold_on_load=False)
+    state, _ = case.fresh()
+    runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
+    assert runner.compiled_keys == compiled
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES)

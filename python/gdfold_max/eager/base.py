@@ -150,6 +150,12 @@ class CompiledGraphs:
                 self._models[key] = self._session.load(build(None))
             return self._models[key]
 
+    @property
+    def compiled_keys(self) -> frozenset[tuple[object, ...]]:
+        """The keys of the graphs compiled so far."""
+        with self._lock:
+            return frozenset(self._models)
+
     def compile_together(self, builds: Mapping[tuple[object, ...], Callable[[GraphModule | None], Graph]]) -> None:
         """Compiles, in one ``max.graph.Module`` and one ``load_all``, every graph of
         ``builds`` (a key and how to build its graph into a module) not compiled yet.

@@ -198,27 +198,26 @@ class WindowRunner(CompiledGraphs):
         return (kind, state_dtype, parameters["K"], parameters["V"], parameters["RING_LEN"],
                 parameters.get("CHANNEL", 0))
 
-    def precompile(self, kinds: Iterable[str], state_dtypes: Iterable[DType | str], *, key_dim: int, value_dim: int,
-                   ring_len: int, gate: Gate = "head") -> None:
-        """Compiles the graphs of every kind (``"verify"``, ``"fold_on_load"``,
-        ``"forward"``, ``"tree"``, ``"tree_fold_on_load"``) and state dtype for these
-        static dims together, in one module (:meth:`compile_together`), so that calls
-        after it compile nothing. Worth it before several kinds or dtypes are called:
-        the kernels they share compile once.
+    def precompile(self, graphs: Iterable[tuple[str, DType | str]], *, key_dim: int, value_dim: int, ring_len: int,
+                   gate: Gate = "head") -> None:
+        """Compiles the graph of every ``(kind, state dtype)`` of ``graphs`` (kinds:
+        ``"verify"``, ``"fold_on_load"``, ``"forward"``, ``"tree"``,
+        ``"tree_fold_on_load"``) for these static dims together, in one module
+        (:meth:`compile_together`), so that the calls after it compile nothing. Worth it
+        before several kinds or dtypes are called: the kernels they share compile once.
 
         Raises:
             ValueError: an unknown kind, or dims the ops refuse (as a call would).
         """
         check_gate(gate)
         builds = {}
-        for kind in kinds:
+        for kind, dtype in graphs:
             if kind not in WINDOW_KINDS:
-                raise ValueError(f"kinds: {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
+                raise ValueError(f"graphs: kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
+            state_dtype = DType[dtype] if isinstance(dtype, str) else dtype
             parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1 if kind == "forward" else ring_len,
                           "CHANNEL": int(gate == "channel")}
-            for dtype in state_dtypes:
-                state_dtype = DType[dtype] if isinstance(dtype, str) else dtype
-                builds[self._key(kind, state_dtype, parameters)] = partial(self._build, kind, state_dtype, parameters)
+            builds[self._key(kind, state_dtype, parameters)] = partial(self._build, kind, state_dtype, parameters)
         self.compile_together(builds)
 
     def _build(self, kind: str, state_dtype: DType, parameters: dict[str, int],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "spec_decode_cycle.py"
+TREE_EXAMPLE = EXAMPLE.with_name("tree_decode_cycle.py")
 
 
 def test_spec_decode_cycle(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -17,3 +18,13 @@ def test_spec_decode_cycle(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert out.count("bit-exact") == 3
     assert "every step matched" in out
+
+
+def test_tree_decode_cycle(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Random trees, random accepted paths (some empty), every step bit-exact, and the
+    fold along the last paths flushes the pool to the forward."""
+    monkeypatch.setattr(sys, "argv", [str(TREE_EXAMPLE), "--steps", "3", "--cpu"])
+    runpy.run_path(str(TREE_EXAMPLE), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("bit-exact") == 3
+    assert "every step matched the forward along the accepted paths" in out

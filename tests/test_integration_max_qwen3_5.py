@@ -20,7 +20,7 @@ pytest.importorskip("max.pipelines.architectures.unified_mtp_qwen3_5.state_rollb
 
 from max.driver import CPU, Buffer  # noqa: E402
 from max.dtype import DType  # noqa: E402
-from max.engine import InferenceSession  # noqa: E402
+from max.engine import InferenceSession, Model  # noqa: E402
 from max.graph import (  # noqa: E402
     BufferType,
     DeviceRef,
@@ -30,6 +30,7 @@ from max.graph import (  # noqa: E402
     default_custom_extensions,
     ops,
 )
+from max.graph import Module as GraphModule  # noqa: E402
 from max.nn.state_space import gated_delta_state_fold, verify_width_operand  # noqa: E402
 from max.pipelines.architectures.qwen3_5.layers import gated_deltanet  # noqa: E402
 from max.pipelines.architectures.unified_mtp_qwen3_5 import state_rollback  # noqa: E402
@@ -130,7 +131,7 @@ def test_max_rollback_under_patched_is_bit_exact_on_the_cpu(rollback_model: obje
         assert_bits_equal(state, want, "against the reference fold")
 
 
-def _window_graph(kind: str, case: object, symbolic: bool) -> Graph:
+def _window_graph(kind: str, case: object, symbolic: bool, module: GraphModule | None = None) -> Graph:
     c = case
     f32, u32 = DType.float32, DType.uint32
     width_dim = "drafts" if symbolic else 3
@@ -140,7 +141,7 @@ def _window_graph(kind: str, case: object, symbolic: bool) -> Graph:
               BufferType(f32, ["ring_rows", *c.ring.shape[1:]], HOST),  # type: ignore[attr-defined]
               TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(u32, ["B1"], HOST),
               TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(DType.int64, [width_dim], HOST)]
-    with Graph(f"{kind}_{symbolic}", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+    with Graph(f"{kind}_{symbolic}", input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
         qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous, accepted, width = graph.inputs
         verify = (max_qwen3_5.verify_like_max if kind == "verify"
                   else max_qwen3_5.fused_verify(previous.tensor, accepted.tensor))
@@ -151,19 +152,33 @@ def _window_graph(kind: str, case: object, symbolic: bool) -> Graph:
     return graph
 
 
+WIDTH_CASE = random_window_case(42, windows=[4, 1, 3, 2], previous_num_accepted=[4, 0, 2, 1])
+#: (kind, symbolic width) of the graphs of our verify in MAX's signature.
+WIDTH_GRAPHS = (("verify", False), ("verify", True), ("fused", True))
+
+
+@pytest.fixture(scope="module")
+def width_models() -> dict[str, Model]:
+    """The graphs of :data:`WIDTH_GRAPHS`, compiled together in one module: the kernels
+    they share compile once."""
+    module = GraphModule()
+    for kind, symbolic in WIDTH_GRAPHS:
+        _window_graph(kind, WIDTH_CASE, symbolic, module)
+    return InferenceSession(devices=[CPU()]).load_all(module, custom_extensions=[kernels_path()])
+
+
 @pytest.mark.parametrize("kind", ["verify", "fused"])
-def test_our_verify_in_max_s_signature_keeps_max_s_width_rule(kind: str) -> None:
+def test_our_verify_in_max_s_signature_keeps_max_s_width_rule(width_models: dict[str, Model], kind: str) -> None:
     """At a width of 0 the window lands on the pool (the forward; fused: after the
     previous records fold); otherwise it records. Both against the reference, bit for
     bit, with the width symbolic (both widths through one graph) and, for the plain
     verify, static (the same build-time branch serves the fused one)."""
-    case = random_window_case(42, windows=[4, 1, 3, 2], previous_num_accepted=[4, 0, 2, 1])
-    session = InferenceSession(devices=[CPU()])
+    case = WIDTH_CASE
     tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
               case.previous_num_accepted)
     runs = ((False, [3]), (True, [3, 0])) if kind == "verify" else ((True, [3, 0]),)
     for symbolic, widths in runs:
-        model = session.load(_window_graph(kind, case, symbolic))
+        model = width_models[f"{kind}_{symbolic}"]
         for drafts in widths:
             pool, ring = case.fresh()
             (out,) = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in case.tokens()),

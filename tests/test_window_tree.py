@@ -133,13 +133,10 @@ def fold_then_tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray
     return Call(operands, (3, 4), add, True)
 
 
-@cache
-def run_all() -> dict[str, tuple[np.ndarray, ...]]:
-    """Every variant's tree verify with and without fold on load, chains through the
-    tree verify and the chain verify, the path fold then the tree, and the casts of
-    :data:`PARENT_CASTS`; one graph. The
-    bf16 variants pass int64 parents and int32 previous paths padded with -1 (as
-    SGLang's tables are), which the ops cast."""
+def variant_calls() -> dict[str, Call]:
+    """Every variant's tree verify with and without fold on load, and chains through the
+    tree verify and the chain verify, by name. The bf16 variants pass int64 parents and
+    int32 previous paths padded with -1 (as SGLang's tables are), which the ops cast."""
     calls: dict[str, Call] = {}
     for dtype, gate in VARIANTS:
         case, parents, nodes, counts = tree_case(variant_seed(dtype, gate), dtype, gate)
@@ -154,6 +151,14 @@ def run_all() -> dict[str, tuple[np.ndarray, ...]]:
         case = tree_case(variant_seed(dtype, gate), dtype, gate)[0]
         calls[f"chain tree {dtype} {gate}"] = tree_call(case, chain_parents(BATCH, RING_LEN))
         calls[f"chain ring {dtype} {gate}"] = ring_call(case)
+    return calls
+
+
+@cache
+def run_all() -> dict[str, tuple[np.ndarray, ...]]:
+    """:func:`variant_calls`, the path fold then the tree, and the casts of
+    :data:`PARENT_CASTS`; one graph."""
+    calls = variant_calls()
     case, parents, nodes, _ = tree_case(variant_seed(*FOLD_THEN_TREE), *FOLD_THEN_TREE)
     calls["fold then tree"] = fold_then_tree_call(case, parents, nodes, FOLD_THEN_TREE[1])
     for dtype, (entries, _) in PARENT_CASTS.items():
@@ -430,20 +435,7 @@ def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
     """run_all's trees (every variant, with and without fold on load) and chains (the
     tree verify and the chain verify) on the GPU, and the fp32 head-gate case with the
     bad tables of :data:`BAD_PARENTS` and :data:`BAD_PATH`; one GPU graph."""
-    calls: dict[str, Call] = {}
-    for dtype, gate in VARIANTS:
-        case, parents, nodes, counts = tree_case(variant_seed(dtype, gate), dtype, gate)
-        if dtype == "bfloat16":
-            parents = parents.astype(np.int64)
-            nodes = nodes.astype(np.int32)
-            for b in range(BATCH):
-                nodes[b, min(int(counts[b]), RING_LEN):] = -1
-        calls[f"tree {dtype} {gate}"] = tree_call(case, parents)
-        calls[f"fold on load {dtype} {gate}"] = tree_call(case, parents, nodes)
-    for dtype, gate in CHAIN_VARIANTS:
-        case = tree_case(variant_seed(dtype, gate), dtype, gate)[0]
-        calls[f"chain tree {dtype} {gate}"] = tree_call(case, chain_parents(BATCH, RING_LEN))
-        calls[f"chain ring {dtype} {gate}"] = ring_call(case)
+    calls = variant_calls()
     case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
     bad_parents, bad_nodes = bad_tables(parents, nodes)
     calls["bad parents"] = tree_call(case, bad_parents)

@@ -120,6 +120,13 @@ def test_bench_step_refuses_a_tree_it_cannot_time(tree: str, message: str) -> No
     assert "--tree" in result.output and message in " ".join(result.output.split())
 
 
+def test_bench_step_tree_refuses_the_window_kernel_options() -> None:
+    result = runner.invoke(app, ["bench-step", "--device", "cpu", "--tree", "8x4", "--gpu-path", "latency",
+                                 "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--tree" in result.output and "--gpu-path" in result.output
+
+
 def test_bench_step_times_max_s_verify_only_at_its_compiled_ring_lengths() -> None:
     """MAX 26.7 compiles its ring kernels for RING_LEN 2, 4 and 8; its forward (the plain
     decoding op) runs at every window; no MAX op on the CPU."""

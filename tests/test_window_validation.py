@@ -313,3 +313,57 @@ def test_window_ops_refuse_a_gpu_other_than_hopper_at_build(monkeypatch: pytest.
     else:
         window.check_window_device(DeviceRef.GPU(0))
     window.check_window_device(DeviceRef.CPU())
+
+
+class _LookedUp(Exception):
+    """Raised where a call would compile or run: its graph's key was looked up."""
+
+
+@pytest.mark.parametrize("gate", ["head", "channel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_precompile_compiles_the_graphs_the_calls_look_up(monkeypatch: pytest.MonkeyPatch, dtype: str,
+                                                         gate: str) -> None:
+    """Every kind: the key a call looks its graph up under is one that ``precompile``
+    compiles (nothing is compiled here: both are recorded)."""
+    from gdfold_max import StateFolder, trees
+    from gdfold_max.eager.window import WINDOW_KINDS, WindowRunner
+
+    runner, folder = WindowRunner("cpu"), StateFolder("cpu")
+    precompiled: set[tuple[object, ...]] = set()
+    looked_up: list[tuple[object, ...]] = []
+
+    def compiled(key: tuple[object, ...], build: object) -> None:
+        looked_up.append(key)
+        raise _LookedUp
+
+    for compiler in (runner, folder):
+        monkeypatch.setattr(compiler, "compile_together", precompiled.update)
+        monkeypatch.setattr(compiler, "compiled", compiled)
+    case = random_window_case(7, windows=[4, 0, 1, 2], state_dtype=dtype, gate=gate)  # type: ignore[arg-type]
+    runner.precompile([(kind, dtype) for kind in WINDOW_KINDS], key_dim=64, value_dim=64, ring_len=4,
+                      gate=gate)  # type: ignore[arg-type]
+    folder.precompile([dtype], key_dim=64, value_dim=64, ring_len=4, gates=[gate], paths=[False, True])  # type: ignore[list-item]
+    tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets)
+    previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                "previous_num_accepted": case.previous_num_accepted}
+    path, parents = trees.chain_path(4, 4), trees.chain_parents(4, 4)
+    fold_tables = (case.row_ids[None], case.ring_row_ids[None], case.previous_num_accepted)
+    calls: list[Callable[[], Any]] = [
+        lambda: runner.verify_ring(*case.tokens(), *case.fresh(), *tables),
+        lambda: runner.verify_ring(*case.tokens(), *case.fresh(), *tables, **previous),
+        lambda: runner.recurrence(*case.tokens(), case.fresh()[0], case.row_ids, case.input_row_offsets),
+        lambda: runner.verify_tree(*case.tokens(), *case.fresh(), *tables, parents),
+        lambda: runner.verify_tree(*case.tokens(), *case.fresh(), *tables, parents, previous_accepted_nodes=path,
+                                   **previous),
+        lambda: folder.fold(*case.fresh(), *fold_tables, gate=gate),  # type: ignore[arg-type]
+        lambda: folder.fold(*case.fresh(), *fold_tables, gate=gate, accepted_nodes=path),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(_LookedUp):
+            call()
+    assert len(set(looked_up)) == len(calls)
+    assert set(looked_up) <= precompiled
+    with pytest.raises(ValueError, match="graphs: state dtype 'bf16' is unsupported"):
+        runner.precompile([("verify", "bf16")], key_dim=64, value_dim=64, ring_len=4)
+    with pytest.raises(ValueError, match="graphs: kind 'fold' is not one of"):
+        runner.precompile([("fold", "float32")], key_dim=64, value_dim=64, ring_len=4)

@@ -242,8 +242,12 @@ def bench_step(
     if tree is not None:
         from .bench.tree import TreeShape, render_tree_rows, run_tree_bench
 
+        if gpu_path != "auto" or column_tile is not None or requests_per_block is not None or not replay:
+            raise typer.BadParameter("--tree times the tree verify on the latency kernel and chains on each kernel;"
+                                     " it takes no --gpu-path, --column-tile, --requests-per-block or --no-replay",
+                                     param_hint="--tree")
         try:
-            shapes = [TreeShape.parse(text) for text in tree.split(",")]
+            shapes = list(dict.fromkeys(TreeShape.parse(text) for text in tree.split(",")))
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--tree") from None
         tree_rows = run_tree_bench(shapes, batch_list, dtype_list, shape=FoldShape.for_gate(gate.value), chain=chain,

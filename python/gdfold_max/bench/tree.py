@@ -9,15 +9,18 @@ layer:
 
 * ``tree``: our ``verify_tree`` with fold on load of the previous accepted path.
 * ``chain``: our ``verify_ring`` with fold on load over a chain of ``depth`` tokens (the
-  same depth, ``nodes - depth`` fewer candidates): what a tree costs over a chain.
+  same depth, ``nodes - depth`` fewer candidates), on the kernel ``auto`` picks (on a GPU
+  the throughput kernel): what a tree costs over the chain a user runs today.
+* ``chain-latency``: the same chain on the latency kernel, which every tree verify runs on
+  a GPU: what the tree's extra nodes cost on one kernel.
 * ``paths``: our ``verify_ring`` with fold on load over every root-to-leaf path of the
   tree as a request of its own, each with its own pool row: what a caller without a tree
   verify does. The copies of the state into those rows are not counted, so this is the
   separate chains' best case.
 
 Timing as ``bench.harness`` says (captured graphs replayed on a GPU, the median of the
-rounds). The floor beside each row is the tree's state read and written once at the
-copy bandwidth: the same work for all three, so the ratios to it compare like with like.
+rounds). The floor beside each row is the tree's state read and written once at the copy
+bandwidth: the least any variant could move (``paths`` moves that once per leaf).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from .harness import (
 )
 from .step import FLOOR_COPY_BYTES, make_step_operands, step_input_types
 
-TREE_VARIANTS = ("tree", "chain", "paths")
+TREE_VARIANTS = ("tree", "chain", "chain-latency", "paths")
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class TreeRow:
     over_floor: float
     #: On the ``tree`` row: its time over the chain's (the issue's bound: at most 2x).
     tree_over_chain: float
+    #: On the ``tree`` row: its time over the chain's on the latency kernel.
+    tree_over_chain_latency: float
     #: On the ``tree`` row: the separate paths' time over the tree's.
     paths_over_tree: float
 
@@ -127,6 +132,7 @@ class TreeStepGraphs(ChainedGraphs):
         self.shapes = {
             "tree": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "chain": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
+            "chain-latency": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
             "paths": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
         }
 
@@ -151,8 +157,9 @@ class TreeStepGraphs(ChainedGraphs):
                         readout = verify_tree(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
                                               parents, previous_accepted_nodes=previous_nodes, **previous)
                     else:
+                        path = "latency" if variant == "chain-latency" else "auto"
                         readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
-                                              **previous)
+                                              gpu_path=path, **previous)
             assert readout is not None
             graph.output(readout)
         return graph
@@ -179,6 +186,19 @@ class TreeStepGraphs(ChainedGraphs):
                                               ).to(self.device)
                             for o, lo in zip(operands[2:5], (-1.0, 0.6, 0.0), strict=True))
         return [*operands[:2], qkv, decay, beta, *operands[5:9], Buffer.from_numpy(offsets).to(self.device)]
+
+
+def _untimed(console: Console, what: str, error: Exception) -> None:
+    console.print(f"{what} is not timed: {str(error).splitlines()[0][:160]}")
+
+
+def _timed(console: Console, what: str, time_it: Callable[[], float]) -> float:
+    """The time, or NaN where running fails (the separate paths' activations may not fit)."""
+    try:
+        return time_it()
+    except Exception as error:  # noqa: BLE001 - a variant that does not fit must not stop the others
+        _untimed(console, what, error)
+        return float("nan")
 
 
 def run_tree_bench(
@@ -217,14 +237,16 @@ def run_tree_bench(
         for state_dtype, batch in sweep(dtypes, batches, console, f"tree {tree.nodes}x{tree.depth}"):
             timers: dict[str, Callable[[], float]] = {}
             operands: dict[str, list[Buffer]] = {}
+            where = f"{tree.nodes}x{tree.depth} {state_dtype.name} batch {batch}"
             for v in TREE_VARIANTS:
                 try:
                     operands[v] = graphs.operands(v, batch, state_dtype)
-                    timers[v] = partial(graphs.per_link_seconds, v, state_dtype, operands[v], repeats, on_gpu)
                 except Exception as error:  # noqa: BLE001 - the separate paths' pools may not fit; time the rest
-                    console.print(f"{v} is not timed at {tree.nodes}x{tree.depth} {state_dtype.name} batch {batch}:"
-                                  f" {str(error).splitlines()[0][:160]}")
+                    _untimed(console, f"{v} at {where}", error)
                     timers[v] = lambda: float("nan")
+                    continue
+                timers[v] = partial(_timed, console, f"{v} at {where}",
+                                    partial(graphs.per_link_seconds, v, state_dtype, operands[v], repeats, on_gpu))
             measured = measure_rounds(TREE_VARIANTS, rounds, timers)
             floor = 2 * shape.state_bytes(batch, state_dtype) / (copy_tb_s * 1e12)
             tree_seconds = measured.median("tree")
@@ -243,6 +265,8 @@ def run_tree_bench(
                     floor_us=floor * 1e6,
                     over_floor=ratio(seconds, floor),
                     tree_over_chain=ratio(tree_seconds, measured.median("chain")) if on_tree else float("nan"),
+                    tree_over_chain_latency=(ratio(tree_seconds, measured.median("chain-latency")) if on_tree
+                                             else float("nan")),
                     paths_over_tree=ratio(measured.median("paths"), tree_seconds) if on_tree else float("nan"),
                 ))
             del operands, timers
@@ -261,6 +285,7 @@ def render_tree_rows(rows: Sequence[TreeRow], console: Console) -> None:
         ("floor µs", lambda r: f"{r.floor_us:.1f}"),
         ("over floor", lambda r: times(r.over_floor)),
         ("tree / chain", lambda r: times(r.tree_over_chain)),
+        ("tree / chain on latency", lambda r: times(r.tree_over_chain_latency)),
         ("paths / tree", lambda r: times(r.paths_over_tree)),
     ]
     render_rows("one decoding step over token trees (all layers, fold on load), medians", columns, rows, console)

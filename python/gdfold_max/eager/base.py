@@ -134,6 +134,18 @@ def copy_back(buffer: Buffer, array: np.ndarray) -> None:
         np.copyto(array, host.to_numpy())
 
 
+def state_dtype_named(name: str, value: DType | str) -> DType:
+    """A pool dtype given as a ``DType`` or by name (``"float32"``, ``"bfloat16"``).
+
+    Raises:
+        ValueError: naming ``name`` and the value, for any other dtype.
+    """
+    dtype = value if isinstance(value, DType) else {"float32": DType.float32, "bfloat16": DType.bfloat16}.get(value)
+    if dtype not in (DType.float32, DType.bfloat16):
+        raise ValueError(f"{name}: state dtype {value!r} is unsupported (float32 or bfloat16)")
+    return dtype
+
+
 class CompiledGraphs:
     """An inference session on one device and the graphs it has compiled, each once."""
 

@@ -32,6 +32,7 @@ from .base import (
     check_ids,
     describe,
     host_table,
+    state_dtype_named,
 )
 
 
@@ -130,7 +131,7 @@ class StateFolder(CompiledGraphs):
         """
         builds = {}
         for dtype in state_dtypes:
-            state_dtype = DType[dtype] if isinstance(dtype, str) else dtype
+            state_dtype = state_dtype_named("state_dtypes", dtype)
             parameters = {"K": key_dim, "V": value_dim, "RING_LEN": ring_len} | fold_tiling(
                 key_dim, value_dim, state_dtype, self.key_dim_tile, self.rows_per_thread)
             for gate in gates:

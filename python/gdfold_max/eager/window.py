@@ -35,6 +35,7 @@ from .base import (
     describe,
     host_array,
     host_table,
+    state_dtype_named,
 )
 from .fold import path_table
 
@@ -214,7 +215,7 @@ class WindowRunner(CompiledGraphs):
         for kind, dtype in graphs:
             if kind not in WINDOW_KINDS:
                 raise ValueError(f"graphs: kind {kind!r} is not one of {', '.join(WINDOW_KINDS)}")
-            state_dtype = DType[dtype] if isinstance(dtype, str) else dtype
+            state_dtype = state_dtype_named("graphs", dtype)
             parameters = {"K": key_dim, "V": value_dim, "RING_LEN": 1 if kind == "forward" else ring_len,
                           "CHANNEL": int(gate == "channel")}
             builds[self._key(kind, state_dtype, parameters)] = partial(self._build, kind, state_dtype, parameters)

@@ -502,7 +502,8 @@ def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool) -> None:
 @pytest.mark.gpu
 def test_gpu_eager_tree_matches_the_reference(eager_case: tuple) -> None:
     """The eager API on a GPU, its runner forced to the throughput kernel: a tree still
-    runs on the latency kernel, bit for bit, with and without a path to fold."""
+    runs on the latency kernel, bit for bit, with a path to fold, with one of no nodes,
+    and without the previous tables (the plain tree graph)."""
     runner = runner_for("gpu", "throughput")
     case, parents, nodes, _ = eager_case
     assert_same(run_eager(runner, case, parents, nodes), reference_tree(case, parents, nodes),
@@ -510,7 +511,11 @@ def test_gpu_eager_tree_matches_the_reference(eager_case: tuple) -> None:
     nothing = np.zeros(BATCH, np.uint32)
     got = run_eager(runner, case, parents, nodes, previous_num_accepted=nothing)
     quiet = WindowCase(**{**case.__dict__, "previous_num_accepted": nothing})
-    assert_same(got, reference_tree(quiet, parents), "GPU eager tree")
+    assert_same(got, reference_tree(quiet, parents), "GPU eager tree, nothing to fold")
+    plain = run_eager(runner, case, parents, nodes, previous_ring_row_ids=None, previous_num_accepted=None,
+                      previous_accepted_nodes=None)
+    assert_same(plain, reference_tree(case, parents), "GPU eager tree")
+    assert_bits_equal(plain[1], case.state, "the pool, which a tree verify does not write")
 
 
 @pytest.mark.gpu

@@ -28,8 +28,16 @@ from max.engine import InferenceSession
 from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue
 
 from conftest import bits
-from gdfold_max import kernels_path, recurrence, reference, state_fold, verify_ring
-from gdfold_max.cases import FoldCase, WindowCase, random_fold_case, random_window_case, spec_decode_case
+from gdfold_max import kernels_path, recurrence, reference, state_fold, verify_ring, verify_tree
+from gdfold_max.cases import (
+    FoldCase,
+    WindowCase,
+    random_accepted_nodes,
+    random_fold_case,
+    random_parents,
+    random_window_case,
+    spec_decode_case,
+)
 from gdfold_max.eager.base import copy_back, host_buffer
 from gdfold_max.layout import Gate
 from gdfold_max.ops.shared_memory import check_column_tile_fits
@@ -212,6 +220,57 @@ def window_call(case: WindowCase, kind: str, path: str) -> Call:
         previous = {"previous_ring_row_ids": v[8], "previous_num_accepted": v[9]} if kind == "fold_on_load" else {}
         return verify_ring(*v[:8], **previous, gpu_path=path)
     return Call(operands, written, add, True)
+
+
+@cache
+def tree_case(point: Point) -> tuple[WindowCase, np.ndarray, np.ndarray]:
+    """Random forests in full, empty, single and part windows, with the previous step's
+    accepted paths along random trees of full windows (none for one request, and a count
+    past the ring for another: nothing folds). Returns the case, ``parents`` and the
+    previous nodes (the case's counts are the paths')."""
+    r = point.ring_len
+    windows = [r, 0, 1, max(r - 1, 1), r]
+    case = random_window_case(25, windows=windows, previous_num_accepted=[0] * len(windows), **point.shape())
+    parents = random_parents(25, windows, r)
+    nodes, counts = random_accepted_nodes(26, random_parents(26, [r] * len(windows), r), [r] * len(windows))
+    counts[1] = r + 1
+    case.previous_num_accepted[:] = counts
+    return case, parents, nodes
+
+
+def tree_call(point: Point) -> Call:
+    case, parents, nodes = tree_case(point)
+    operands = [*case.tokens(), case.state, case.ring, case.row_ids, case.ring_row_ids, case.input_row_offsets,
+                parents, case.previous_ring_row_ids, case.previous_num_accepted, nodes]
+
+    def add(v: list[Any]) -> TensorValue:
+        return verify_tree(*v[:9], previous_ring_row_ids=v[9], previous_num_accepted=v[10],
+                           previous_accepted_nodes=v[11])
+    return Call(operands, (3, 4), add, True)
+
+
+def tree_wants(point: Point) -> tuple[np.ndarray, ...]:
+    """The reference's readout, pool and ring for the point's tree case."""
+    case, parents, nodes = tree_case(point)
+    pool, ring = case.fresh()
+    out = reference.verify_tree(*case.tokens(), pool, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets,
+                                parents, previous_ring_row_ids=case.previous_ring_row_ids,
+                                previous_num_accepted=case.previous_num_accepted, previous_accepted_nodes=nodes)
+    return out, pool, ring
+
+
+def check_tree_op(device: str) -> None:
+    """The tree verify with fold on load of a previous path for every point of the
+    device's range, in one graph, against the reference."""
+    points = range_on(device)
+    failures = []
+    for point, (readout, written) in zip(points, run_many(device, f"range_tree_{device}",
+                                                          [tree_call(p) for p in points]), strict=True):
+        assert readout is not None
+        for part, got, expected in zip(("readout", "pool", "ring"), (readout, *written), tree_wants(point),
+                                       strict=True):
+            failures += differences(f"{point}, tree: {part}", got, expected)
+    assert not failures, "\n".join(failures)
 
 
 def window_wants(point: Point, kind: str) -> tuple[np.ndarray, ...]:

@@ -35,5 +35,5 @@ def test_a_group_names_every_test_and_selects_gpu_tests() -> None:
     argv = command("range", 4)
     options = argv[argv.index("pytest") + 1 :]
     assert options[options.index("-m") + 1] == "gpu" and "-rA" in options
-    files = [f"tests/test_range_{op}.py" for op in ("fold", "verify", "forward")]
-    assert argv[argv.index("--dist") + 1] == "load" and argv[-3:] == files
+    files = [f"tests/test_range_{op}.py" for op in ("fold", "verify", "forward", "tree")]
+    assert argv[argv.index("--dist") + 1] == "load" and argv[-4:] == files

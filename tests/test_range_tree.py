@@ -1,0 +1,14 @@
+"""The tree verify with fold on load of a previous accepted path over the supported range
+(range_matrix.RANGE), on the CPU and on the GPU (whose tree verify runs on the latency
+kernel, whatever the path), bit for bit against the reference: readout, pool and ring."""
+
+from __future__ import annotations
+
+import pytest
+
+from range_matrix import check_tree_op
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_tree_op(device: str) -> None:
+    check_tree_op(device)

@@ -307,15 +307,15 @@ def step_host_inputs(shape: FoldShape, batch: int, seed: int = 0) -> dict[str, n
     }
 
 
-def make_step_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0
-                       ) -> list[Buffer]:
+def make_step_operands(device: Device, shape: FoldShape, batch: int, state_dtype: DType, seed: int = 0,
+                       host: dict[str, np.ndarray] | None = None) -> list[Buffer]:
     """The operands of :class:`StepGraphs`' graphs: a zeroed pool and ring, then
-    :func:`step_host_inputs` on ``device``."""
+    ``host`` (default: :func:`step_host_inputs`) on ``device``."""
     s = shape
     rows = s.num_layers * batch
     pool = Buffer.zeros([rows, s.num_value_heads, s.key_dim, s.value_dim], state_dtype, device)
     ring = Buffer.zeros([2 * rows, s.num_key_heads, s.ring_len, s.layout.min_stride], DType.float32, device)
-    host = step_host_inputs(shape, batch, seed)
+    host = host if host is not None else step_host_inputs(shape, batch, seed)
     return [pool, ring, *[Buffer.from_numpy(np.ascontiguousarray(h)).to(device) for h in host.values()]]
 
 

@@ -53,7 +53,7 @@ from .harness import (
     sweep,
     times,
 )
-from .step import FLOOR_COPY_BYTES, make_step_operands, step_input_types
+from .step import FLOOR_COPY_BYTES, make_step_operands, step_host_inputs, step_input_types
 
 TREE_VARIANTS = ("tree", "chain", "chain-latency", "paths")
 
@@ -176,16 +176,14 @@ class TreeStepGraphs(ChainedGraphs):
                 operands += [Buffer.from_numpy(np.ascontiguousarray(t)).to(self.device)
                              for t in (parents, np.tile(path, (batch, 1)))]
             return operands
-        # Every path its own request, with its own window: the offsets follow the paths.
+        # Every path its own request, with its own window: the offsets follow the paths,
+        # and the tokens are the first of a step's whose windows are all the depth long.
         lengths = np.tile(self.tree.path_lengths, batch)
-        operands = make_step_operands(self.device, shape, len(lengths), state_dtype)
+        host = step_host_inputs(shape, len(lengths))
         tokens = int(lengths.sum())
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
-        rng = np.random.default_rng(0)
-        qkv, decay, beta = (Buffer.from_numpy(rng.uniform(lo, 1.0, (tokens, *o.shape[1:])).astype(np.float32)
-                                              ).to(self.device)
-                            for o, lo in zip(operands[2:5], (-1.0, 0.6, 0.0), strict=True))
-        return [*operands[:2], qkv, decay, beta, *operands[5:9], Buffer.from_numpy(offsets).to(self.device)]
+        host |= {name: host[name][:tokens] for name in ("qkv", "decay", "beta")}
+        host["input_row_offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint32)
+        return make_step_operands(self.device, shape, len(lengths), state_dtype, host=host)
 
 
 def _untimed(console: Console, what: str, error: Exception) -> None:

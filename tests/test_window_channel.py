@@ -176,10 +176,16 @@ def test_bad_input_is_refused_before_anything_is_written(runner: WindowRunner) -
 
 def test_the_throughput_kernel_takes_per_channel_gates() -> None:
     # Its tiling goes to the per-channel ops as to the head-gate ones; "auto" (0) leaves
-    # the choice to the launch, which keeps per-channel gates on the latency kernel.
+    # the choice to the launch, except where the throughput kernel's staging of K decays
+    # does not fit an SM: there "auto" is the latency kernel, decided when built.
     tiling = gpu_tiling(DType.float32, 128, 128, None, None, fold_on_load=True, gpu_path="throughput",
                         channel=True)
     assert tiling["GPU_PATH"] == GPU_PATHS["throughput"] and tiling["COLUMN_TILE"] == 64
+    assert gpu_tiling(DType.float32, 128, 128, None, None, fold_on_load=True, channel=True)["GPU_PATH"] == 0
+    for state_dtype in (DType.float32, DType.bfloat16):
+        auto = gpu_tiling(state_dtype, 256, 256, None, None, fold_on_load=True, channel=True)
+        assert auto["GPU_PATH"] == GPU_PATHS["latency"]
+    assert gpu_tiling(DType.float32, 256, 256, None, None, fold_on_load=False, channel=True)["GPU_PATH"] == 0
 
 
 def test_a_throughput_tile_no_sm_holds_with_per_channel_gates_is_refused_when_built() -> None:

@@ -52,9 +52,10 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: run time from the launch's units of work, below a threshold measured on an H200
 #: (``LATENCY_WARPS_PER_SM`` in ``mojo/window_launch.mojo``); today that threshold is 0,
 #: since the latency kernel was slower at every batch measured, so ``"auto"`` runs the
-#: throughput kernel. Per-channel gates (``[T, nv, K]`` decays) run on either kernel;
-#: ``"auto"`` keeps them on the latency kernel until both are timed with them on a GPU,
-#: when the choice will be set from a measured table (``channel_uses_latency_kernel``).
+#: throughput kernel. Per-channel gates (``[T, nv, K]`` decays) run on either kernel, and
+#: ``"auto"`` runs them on the throughput kernel too (on an H100 it was 1.28x to 1.92x the
+#: latency kernel with them, batches 1 to 256), but on the latency kernel where the
+#: throughput kernel's staging does not fit an SM (K = 256 with a fold on load).
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 
 
@@ -111,10 +112,17 @@ def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: in
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
     tile = _check_column_tile(value_dim, column_tile)
-    # Per-channel gates stage more only where they run on the throughput kernel ("auto"
-    # keeps them on the latency kernel, whose launch never compiles the other for them).
-    check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load,
-                           channel=channel and gpu_path == "throughput")
+    if channel and gpu_path == "auto":
+        # Per-channel gates stage their K decays too: where the throughput kernel's
+        # staging does not fit an SM (K = 256 with a fold on load), "auto" takes the
+        # latency kernel, whose launch then does not compile the other.
+        try:
+            check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load, channel=True)
+        except ValueError:
+            gpu_path = "latency"
+    else:
+        check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load,
+                               channel=channel and gpu_path == "throughput")
     return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests, "GPU_PATH": GPU_PATHS[gpu_path]}
 
 

@@ -421,10 +421,11 @@ def run_windows[
                 attributes=dependent_launch(dependent),
             )
             return
-        # Per-channel gates forced onto the latency kernel do not compile the throughput
-        # kernel: at K = 256 its fold on load would not fit an SM's static shared memory,
-        # and the op would not build even where it never runs.
-        comptime if not CHANNEL or GPU_PATH != GPU_PATH_LATENCY:
+        # Neither a tree verify (it never reaches this branch) nor per-channel gates forced
+        # onto the latency kernel compile the throughput kernel: at K = 256 its fold on
+        # load with per-channel gates would not fit an SM's static shared memory, and the
+        # op would not build even where it never runs.
+        comptime if not TREE and (not CHANNEL or GPU_PATH != GPU_PATH_LATENCY):
             comptime kernel = windows_gpu_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE, CHANNEL
             ]
@@ -490,10 +491,8 @@ def run_windows[
             )
             _ = counter^  # freed in stream order, after the kernel
         else:
-            # Only a forced throughput path compiles that kernel for per-channel gates.
-            raise Error(
-                "gdfold window op: per-channel gates reached the throughput kernel, which is"
-                " compiled for them only with gpu_path=\"throughput\""
-            )
+            # Never reached: a tree verify took its own branch above, and a launch forced
+            # onto the latency kernel returned from it.
+            raise Error("gdfold window op: no throughput kernel is compiled for this launch")
     else:
         raise Error(t"unsupported target {target}")

@@ -1,6 +1,6 @@
 """The verify, the verify with fold on load and the forward with per-channel gates
-(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and on both GPU kernels (the
-latency kernel, which "auto" runs, and the throughput kernel), bit for bit against the
+(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and on both GPU kernels (each
+forced, and "auto", which runs the throughput kernel at these shapes), bit for bit against the
 numpy reference and against each other; bad input refused before anything is written; a
 throughput tile whose per-channel staging no SM holds refused when the graph is built."""
 
@@ -20,10 +20,11 @@ from gdfold_max.ops.kernels import kernels_path
 from gdfold_max.ops.window import GPU_PATHS, gpu_tiling
 
 #: Where the per-channel ops run, as (device, gpu_path): the CPU, the GPU's "auto" (the
-#: latency kernel) and its throughput kernel.
+#: throughput kernel at these shapes) and each of its kernels forced.
 CHANNEL_TARGETS = [
     pytest.param(("cpu", "auto"), id="cpu"),
     pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu),
+    pytest.param(("gpu", "latency"), id="gpu-latency", marks=pytest.mark.gpu),
     pytest.param(("gpu", "throughput"), id="gpu-throughput", marks=pytest.mark.gpu),
 ]
 

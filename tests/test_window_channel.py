@@ -187,6 +187,9 @@ def test_the_throughput_kernel_takes_per_channel_gates() -> None:
         auto = gpu_tiling(state_dtype, 256, 256, None, None, fold_on_load=True, channel=True)
         assert auto["GPU_PATH"] == GPU_PATHS["latency"]
     assert gpu_tiling(DType.float32, 256, 256, None, None, fold_on_load=False, channel=True)["GPU_PATH"] == 0
+    # A tile the caller names is checked, not traded for the latency kernel.
+    with pytest.raises(ValueError, match="column_tile: 256 columns of a K=192 float32 state with per-channel gates"):
+        gpu_tiling(DType.float32, 192, 256, 256, None, channel=True)
 
 
 def test_a_throughput_tile_no_sm_holds_with_per_channel_gates_is_refused_when_built() -> None:

@@ -73,16 +73,6 @@ def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
-def channel_uses_latency_kernel[GPU_PATH: Int]() -> Bool:
-    """The kernel of a launch with per-channel gates. "auto" runs them on the latency
-    kernel until both kernels are timed with them in one process (bench/tuning/
-    tune_paths.py --gate channel); the throughput kernel is then compiled for "auto" too
-    (see run_windows), and the choice set by batch as LATENCY_WARPS_PER_SM is."""
-    comptime if GPU_PATH == GPU_PATH_THROUGHPUT:
-        return False
-    return True
-
-
 # Launches small enough to start as programmatic dependents of the kernel before them
 # (dependent_launch). On an H200 under replay (bench/results/paths-small-batch-h200-
 # 2026-12-02.txt, pdl-h200-2026-12-02.txt), the throughput kernel's fused step took
@@ -329,8 +319,11 @@ def run_windows[
 ](operands: WindowOperands[state_dtype], ctx: DeviceContext) raises:
     """Checks every operand, then runs each request's window (see window_cpu/gpu).
 
-    `CHANNEL` (a decay of [T, nv, K]) runs on either GPU kernel; GPU_PATH_AUTO picks
-    the latency kernel for it (channel_uses_latency_kernel). `TREE` (a tree verify:
+    `CHANNEL` (a decay of [T, nv, K]) runs on either GPU kernel, and GPU_PATH_AUTO picks
+    between them as for one decay per head (uses_latency_kernel): on an H100 the
+    throughput kernel was faster with them at every batch from 1 to 256
+    (bench/results/paths-channel-w4-bf16-h100-2026-12-06.txt). Where its staging does
+    not fit an SM the op passes GPU_PATH_LATENCY instead (ops/window.py gpu_tiling). `TREE` (a tree verify:
     RECORD, with the parents table, and with FOLD_PREVIOUS the previous accepted paths)
     runs on the CPU and, on a GPU, on the latency kernel alone (whatever GPU_PATH says),
     which checks the parents and previous paths itself (they are device memory there)."""
@@ -410,8 +403,6 @@ def run_windows[
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
         var latency = uses_latency_kernel[GPU_PATH](latency_units, sms)
-        comptime if CHANNEL:
-            latency = channel_uses_latency_kernel[GPU_PATH]()
         if latency:
             # One warp a unit: a request on one slab of a value head.
             comptime warp_kernel = windows_gpu_latency_kernel[
@@ -430,10 +421,11 @@ def run_windows[
                 attributes=dependent_launch(dependent),
             )
             return
-        # Per-channel gates reach the throughput kernel only when forced: otherwise it is
-        # not compiled for them (at K = 256 its fold on load would not fit an SM's static
-        # shared memory, and the op would not build even where it never runs).
-        comptime if not CHANNEL or GPU_PATH == GPU_PATH_THROUGHPUT:
+        # Neither a tree verify (it never reaches this branch) nor per-channel gates forced
+        # onto the latency kernel compile the throughput kernel: at K = 256 its fold on
+        # load with per-channel gates would not fit an SM's static shared memory, and the
+        # op would not build even where it never runs.
+        comptime if not TREE and (not CHANNEL or GPU_PATH != GPU_PATH_LATENCY):
             comptime kernel = windows_gpu_kernel[
                 state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, COLUMN_TILE, CHANNEL
             ]
@@ -499,10 +491,8 @@ def run_windows[
             )
             _ = counter^  # freed in stream order, after the kernel
         else:
-            # Only a forced throughput path compiles that kernel for per-channel gates.
-            raise Error(
-                "gdfold window op: per-channel gates reached the throughput kernel, which is"
-                " compiled for them only with gpu_path=\"throughput\""
-            )
+            # Never reached: a tree verify took its own branch above, and a launch forced
+            # onto the latency kernel returned from it.
+            raise Error("gdfold window op: no throughput kernel is compiled for this launch")
     else:
         raise Error(t"unsupported target {target}")

@@ -14,7 +14,8 @@ The forward runs the same kernels as the verify with recording off, so a forward
 accepted tokens and a verify followed by the fold agree bit for bit. The per-channel ops
 take a decay of shape [T, nv, K], state row i decaying by the i-th; their records hold the
 K decays of each value head of the group. They take the head-gate ops' GPU parameters;
-"auto" runs them on the latency kernel (window_launch.channel_uses_latency_kernel).
+"auto" picks the kernel as for them (window_launch.uses_latency_kernel), the latency kernel
+where the throughput kernel's staging does not fit an SM (the Python op decides that).
 
 The tree verify (`gdfold_verify_tree`, `gdfold_verify_tree_fold_on_load` and their
 `_channel` twins) runs a window whose tokens are the nodes of a token tree: node i steps

@@ -100,8 +100,10 @@ def range_on(device: str) -> list[Point]:
 
 
 CPU_TARGET = pytest.param(("cpu", "auto"), id="cpu")
+#: Each GPU kernel forced, and "auto" (with per-channel gates the throughput kernel, but the
+#: latency kernel where the throughput kernel's staging does not fit an SM).
 GPU_TARGETS = [pytest.param(("gpu", path), id=f"gpu-{path}", marks=pytest.mark.gpu)
-               for path in ("latency", "throughput")]
+               for path in ("latency", "throughput", "auto")]
 DEVICES = [CPU_TARGET, pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu)]
 
 

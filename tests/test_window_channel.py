@@ -1,6 +1,6 @@
 """The verify, the verify with fold on load and the forward with per-channel gates
-(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and on both GPU kernels (the
-latency kernel, which "auto" runs, and the throughput kernel), bit for bit against the
+(Kimi Delta Attention: ``decay [T, nv, K]``), on the CPU and on both GPU kernels (each
+forced, and "auto", which runs the throughput kernel at these shapes), bit for bit against the
 numpy reference and against each other; bad input refused before anything is written; a
 throughput tile whose per-channel staging no SM holds refused when the graph is built."""
 
@@ -20,10 +20,11 @@ from gdfold_max.ops.kernels import kernels_path
 from gdfold_max.ops.window import GPU_PATHS, gpu_tiling
 
 #: Where the per-channel ops run, as (device, gpu_path): the CPU, the GPU's "auto" (the
-#: latency kernel) and its throughput kernel.
+#: throughput kernel at these shapes) and each of its kernels forced.
 CHANNEL_TARGETS = [
     pytest.param(("cpu", "auto"), id="cpu"),
     pytest.param(("gpu", "auto"), id="gpu", marks=pytest.mark.gpu),
+    pytest.param(("gpu", "latency"), id="gpu-latency", marks=pytest.mark.gpu),
     pytest.param(("gpu", "throughput"), id="gpu-throughput", marks=pytest.mark.gpu),
 ]
 
@@ -176,10 +177,19 @@ def test_bad_input_is_refused_before_anything_is_written(runner: WindowRunner) -
 
 def test_the_throughput_kernel_takes_per_channel_gates() -> None:
     # Its tiling goes to the per-channel ops as to the head-gate ones; "auto" (0) leaves
-    # the choice to the launch, which keeps per-channel gates on the latency kernel.
+    # the choice to the launch, except where the throughput kernel's staging of K decays
+    # does not fit an SM: there "auto" is the latency kernel, decided when built.
     tiling = gpu_tiling(DType.float32, 128, 128, None, None, fold_on_load=True, gpu_path="throughput",
                         channel=True)
     assert tiling["GPU_PATH"] == GPU_PATHS["throughput"] and tiling["COLUMN_TILE"] == 64
+    assert gpu_tiling(DType.float32, 128, 128, None, None, fold_on_load=True, channel=True)["GPU_PATH"] == 0
+    for state_dtype in (DType.float32, DType.bfloat16):
+        auto = gpu_tiling(state_dtype, 256, 256, None, None, fold_on_load=True, channel=True)
+        assert auto["GPU_PATH"] == GPU_PATHS["latency"]
+    assert gpu_tiling(DType.float32, 256, 256, None, None, fold_on_load=False, channel=True)["GPU_PATH"] == 0
+    # A tile the caller names is checked, not traded for the latency kernel.
+    with pytest.raises(ValueError, match="column_tile: 256 columns of a K=192 float32 state with per-channel gates"):
+        gpu_tiling(DType.float32, 192, 256, 256, None, channel=True)
 
 
 def test_a_throughput_tile_no_sm_holds_with_per_channel_gates_is_refused_when_built() -> None:

@@ -102,8 +102,8 @@ def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:
 
 def run_channel() -> None:
     run_folds("channel")
-    # "auto" runs per-channel gates on the latency kernel; the throughput kernel forced.
-    run_windows("per-channel gates, latency kernel", WindowRunner("gpu"), "channel")
+    # Each kernel forced ("auto" runs per-channel gates on the throughput kernel).
+    run_windows("per-channel gates, latency kernel", WindowRunner("gpu", gpu_path="latency"), "channel")
     run_windows("per-channel gates, throughput kernel", WindowRunner("gpu", gpu_path="throughput"), "channel")
 
 

@@ -52,9 +52,11 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: run time from the launch's units of work, below a threshold measured on an H200
 #: (``LATENCY_WARPS_PER_SM`` in ``mojo/window_launch.mojo``); today that threshold is 0,
 #: since the latency kernel was slower at every batch measured, so ``"auto"`` runs the
-#: throughput kernel. Per-channel gates (``[T, nv, K]`` decays) run on either kernel;
-#: ``"auto"`` keeps them on the latency kernel until both are timed with them on a GPU,
-#: when the choice will be set from a measured table (``channel_uses_latency_kernel``).
+#: throughput kernel. Per-channel gates (``[T, nv, K]`` decays) run on either kernel, and
+#: ``"auto"`` runs them on the throughput kernel too (on an H100 it was 1.28x to 1.92x the
+#: latency kernel with them, batches 1 to 256), but on the latency kernel where the
+#: throughput kernel's staging does not fit an SM at the default tile (a large K with a
+#: fold on load: K = 256, and from K = 208 at a 64-column tile).
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 
 
@@ -111,10 +113,19 @@ def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: in
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
     tile = _check_column_tile(value_dim, column_tile)
-    # Per-channel gates stage more only where they run on the throughput kernel ("auto"
-    # keeps them on the latency kernel, whose launch never compiles the other for them).
-    check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load,
-                           channel=channel and gpu_path == "throughput")
+    if channel and gpu_path == "auto" and column_tile is None:
+        # Per-channel gates stage their K decays too: where the throughput kernel's
+        # staging does not fit an SM at the default tile (a large K with a fold on load:
+        # from K = 208 at a 64-column tile, K = 256 at any), "auto" takes the latency
+        # kernel, whose launch then does not compile the other. A tile the caller names
+        # is checked as it is for "throughput".
+        try:
+            check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load, channel=True)
+        except ValueError:
+            gpu_path = "latency"
+    else:
+        check_column_tile_fits(state_dtype, key_dim, tile, fold_on_load=fold_on_load,
+                               channel=channel and gpu_path != "latency")
     return {"COLUMN_TILE": tile, "REQUESTS_PER_BLOCK": requests, "GPU_PATH": GPU_PATHS[gpu_path]}
 
 
@@ -263,8 +274,9 @@ def verify_ring(
         decay: ``[T, nv]`` float32 decays, already exp'd; or ``[T, nv, K]`` for per-channel
             gates (Kimi Delta Attention: state row i of a head decays by the i-th, and the
             records hold K decays per value head, ``layout.RecordLayout(..., gate="channel")``;
-            on the GPU ``"auto"`` runs these on the latency kernel, and ``"throughput"``
-            runs them on the throughput kernel).
+            on the GPU ``"auto"`` runs these on the throughput kernel, or on the latency
+            kernel where the throughput kernel's staging does not fit an SM at the default
+            tile; ``"latency"`` and ``"throughput"`` force either).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 ring buffer.

@@ -434,6 +434,71 @@ def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("steps", [(WINDOW, 1, 1, 1), (1, 1, 1)], ids=["window-first", "one-token-first"])
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=["fp32", "bf16"])
+def test_max_plain_steps_pool_on_the_device_and_read_back(dtype: DType, steps: tuple[int, ...]) -> None:
+    """MAX's layer under ``patched(forward=True)``, step after step, the reference pool
+    carried on the host: each step's pool is read back at once and again after the
+    device synchronizes, and the next step's readout (computed on the device from the
+    device's pool) is checked against the reference pool. So a pool that is right on the
+    device but read back stale is told apart from one the layer never wrote. Every fact
+    is gathered before the assertion, which names each."""
+    from gdfold_max.eager.base import copy_back, host_buffer
+
+    gpu, model, np_dtype, conv, pool = _load_on_gpu(dtype, *_plain_graph(dtype, DeviceRef.GPU(), True), seed=54)
+    rng = np.random.default_rng(55)
+    up = [host_buffer(a).to(gpu) for a in (conv, pool)]
+    rows = np.arange(BATCH, dtype=np.uint32)
+    want_pool = pool.copy()
+    facts = []
+    for tokens in steps:
+        offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
+        x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
+        before = want_pool.copy()
+        _, qkv, decay, beta, readout = model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu),
+                                                     Buffer.from_numpy(offsets).to(gpu))
+        at_once = np.empty_like(pool)
+        copy_back(up[1], at_once)
+        want = reference.recurrence(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows, offsets,
+                                    num_key_heads=NK)
+        gpu.synchronize()
+        synced = np.empty_like(pool)
+        copy_back(up[1], synced)
+        facts.append({
+            "tokens": tokens,
+            "readout exact (from the device's pool)": bool(np.array_equal(bits(readout.to_numpy()), bits(want))),
+            "pool read at once exact": bool(np.array_equal(bits(at_once), bits(want_pool))),
+            "pool read at once as before the step": bool(np.array_equal(bits(at_once), bits(before))),
+            "pool read after synchronize exact": bool(np.array_equal(bits(synced), bits(want_pool))),
+        })
+    print(f"[{dtype.name}, steps {steps}] {facts}")
+    assert all(all(value for key, value in fact.items() if key.endswith("exact")) for fact in facts), facts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=["fp32", "bf16"])
+def test_max_own_forward_moves_the_pool_on_every_plain_step(dtype: DType) -> None:
+    """MAX's layer with its own forward on a window step and two one-token steps: the
+    pool read back changes at every step (the harness's read-back, without our op)."""
+    from gdfold_max.eager.base import copy_back, host_buffer
+
+    gpu, model, np_dtype, conv, pool = _load_on_gpu(dtype, *_plain_graph(dtype, DeviceRef.GPU(), False), seed=54)
+    rng = np.random.default_rng(55)
+    up = [host_buffer(a).to(gpu) for a in (conv, pool)]
+    rows = np.arange(BATCH, dtype=np.uint32)
+    changed = []
+    for tokens in (WINDOW, 1, 1):
+        offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
+        x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
+        before = pool.copy()
+        model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu), Buffer.from_numpy(offsets).to(gpu))
+        copy_back(up[1], pool)
+        changed.append((tokens, int(np.count_nonzero(bits(pool) != bits(before)))))
+    print(f"[{dtype.name}] MAX's own forward, pool elements changed per step: {changed}")
+    assert all(count > 0 for _, count in changed), changed
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [DType.float32, DType.bfloat16], ids=["fp32", "bf16"])
 def test_max_plain_steps_under_patched_forward_run_our_forward_exactly(dtype: DType) -> None:
     """MAX's layer on a prefill and three decoding steps with ``patched(forward=True)``:

@@ -449,9 +449,10 @@ def test_max_plain_steps_pool_on_the_device_and_read_back(dtype: DType, steps: t
     """MAX's layer under ``patched(forward=True)``, step after step, the reference pool
     carried on the host: each step's pool is read back at once and again after the
     device synchronizes, and the next step's readout (computed on the device from the
-    device's pool) is checked against the reference pool. So a pool that is right on the
-    device but read back stale is told apart from one the layer never wrote. Every fact
-    is gathered before the assertion, which names each."""
+    device's pool) is checked against the reference pool, and the pool is also read
+    through a view of the device buffer (copy_back views the host copy). So a pool that
+    is right on the device but read back stale is told apart from one the layer never
+    wrote. Every fact is gathered before the assertion, which names each."""
     from gdfold_max.eager.base import copy_back, host_buffer
 
     gpu, model, np_dtype, conv, pool = _load_on_gpu(dtype, *_plain_graph(dtype, DeviceRef.GPU(), True), seed=54)
@@ -470,12 +471,17 @@ def test_max_plain_steps_pool_on_the_device_and_read_back(dtype: DType, steps: t
         gpu.synchronize()
         synced = np.empty_like(pool)
         copy_back(up[1], synced)
+        # copy_back views the host copy as its bits; here the device buffer is viewed and
+        # the host copy read as it is.
+        bits_dtype = DType.uint16 if dtype == DType.bfloat16 else DType.uint32
+        device_view = up[1].view(bits_dtype).to(CPU()).to_numpy()
         facts.append({
             "tokens": tokens,
             "readout exact (from the device's pool)": bool(np.array_equal(bits(readout.to_numpy()), bits(want))),
             "pool read at once exact": bool(np.array_equal(bits(at_once), bits(want_pool))),
             "pool read at once as before the step": bool(np.array_equal(bits(at_once), bits(before))),
             "pool read after synchronize exact": bool(np.array_equal(bits(synced), bits(want_pool))),
+            "pool read through a device-side view exact": bool(np.array_equal(device_view, bits(want_pool))),
         })
     print(f"[{dtype.name}, steps {steps}] {facts}")
     assert all(all(value for key, value in fact.items() if key.endswith("exact")) for fact in facts), facts

@@ -809,11 +809,14 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
 @pytest.mark.gpu
 def test_max_serve_gives_the_fused_step_the_tokens_of_our_verify_then_fold(example: dict, tmp_path: Path) -> None:
     """The fused step's pools equal fold+verify's bit for bit, so their greedy tokens
-    must be equal, with MAX's overlap scheduler and without it."""
-    results = serve_and_ask(("fused", "fused-no-overlap", "fold+verify"), example, tmp_path)
+    must be equal, with MAX's overlap scheduler and without it; and a user of the fused
+    step must get plain decoding's tokens (MAX's own plain pipeline: its forward rounds
+    otherwise than our verify, so this holds where no greedy choice is that close)."""
+    results = serve_and_ask(("fused", "fused-no-overlap", "fold+verify", "plain"), example, tmp_path)
     assert results["fused"]["first"] == results["fold+verify"]["first"]
     assert results["fused-no-overlap"]["first"] == results["fused"]["first"]
     assert results["fused"]["chat"] == results["fold+verify"]["chat"]
+    assert results["fused"]["first"] == results["plain"]["first"]
 
 
 @pytest.mark.gpu

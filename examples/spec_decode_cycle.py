@@ -143,11 +143,10 @@ def main() -> None:
         # The witness: the forward over the accepted tokens alone.
         kept = np.concatenate([np.arange(b * WINDOW, b * WINDOW + int(accepted[b])) for b in range(BATCH)])
         kept_offsets = np.concatenate([[0], np.cumsum(accepted)]).astype(np.uint32)
-        differ = lagging
-        for layer in range(LAYERS):
-            want = reference.recurrence(qkv[layer][kept], decay[layer][kept], beta[layer][kept], expected,
-                                            row_ids[layer], kept_offsets, num_key_heads=NK)
-            differ += int(np.count_nonzero(readouts[layer][kept].view(np.uint32) != want.view(np.uint32)))
+        wants = reference.recurrence_layers(qkv[:, kept], decay[:, kept], beta[:, kept], expected, row_ids,
+                                            kept_offsets, num_key_heads=NK)
+        differ = lagging + sum(int(np.count_nonzero(readout[kept].view(np.uint32) != want.view(np.uint32)))
+                               for readout, want in zip(readouts, wants, strict=True))
         print(f"step {step}: accepted {accepted.tolist()}, rows {row_ids.T.tolist()}, "
               + ("bit-exact" if differ == 0 else f"{differ} elements DIFFER"))
         if differ:

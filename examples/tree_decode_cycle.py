@@ -133,11 +133,10 @@ def main() -> None:
         paths = [accepted_path(rng, parents[b], int(windows[b])) for b in range(BATCH)]
         kept = np.array([int(offsets[b]) + node for b, path in enumerate(paths) for node in path], np.int64)
         kept_offsets = np.concatenate([[0], np.cumsum([len(p) for p in paths])]).astype(np.uint32)
-        differ = lagging
-        for layer in range(LAYERS):
-            want = reference.recurrence(qkv[layer][kept], decay[layer][kept], beta[layer][kept], expected,
-                                        row_ids[layer], kept_offsets, num_key_heads=NK)
-            differ += int(np.count_nonzero(readouts[layer][kept].view(np.uint32) != want.view(np.uint32)))
+        wants = reference.recurrence_layers(qkv[:, kept], decay[:, kept], beta[:, kept], expected, row_ids,
+                                            kept_offsets, num_key_heads=NK)
+        differ = lagging + sum(int(np.count_nonzero(readout[kept].view(np.uint32) != want.view(np.uint32)))
+                               for readout, want in zip(readouts, wants, strict=True))
         print(f"step {step}: trees of {windows.tolist()} nodes, accepted paths {paths}, "
               + ("bit-exact" if differ == 0 else f"{differ} elements DIFFER"))
         if differ:

@@ -208,8 +208,8 @@ def spec_decode_case(
     for layer in range(layers):
         reference.verify_ring(qkv[layer], decay[layer], beta[layer], state, ring, row_ids[layer],
                               ring_row_ids[layer], offsets)
-        reference.recurrence(qkv[layer][kept], decay[layer][kept], beta[layer][kept], state_out,
-                                 row_ids[layer], kept_offsets, num_key_heads=num_key_heads)
+    reference.recurrence_layers(qkv[:, kept], decay[:, kept], beta[:, kept], state_out, row_ids, kept_offsets,
+                                num_key_heads=num_key_heads)
     # Records past the accepted count stay in the ring (a fold must not read them);
     # poison them so a fold that does is caught.
     for layer in range(layers):

@@ -212,6 +212,24 @@ def recurrence(
     return readout
 
 
+def recurrence_layers(
+    qkv: NDArray,
+    decay: NDArray,
+    beta: NDArray,
+    recurrent_state: NDArray,
+    row_ids: NDArray,
+    input_row_offsets: NDArray,
+    *,
+    num_key_heads: int,
+) -> list[F32]:
+    """:func:`recurrence` over every layer in turn on one pool: ``qkv``, ``decay`` and
+    ``beta`` lead with the layer (``[layers, T, ...]``), ``row_ids`` is layer-major
+    (``[layers, B]``, as the fold takes it), the offsets are every layer's. Returns each
+    layer's readout; the pool is committed in place (a decoding loop's witness)."""
+    return [recurrence(qkv[layer], decay[layer], beta[layer], recurrent_state, row_ids[layer], input_row_offsets,
+                       num_key_heads=num_key_heads) for layer in range(len(row_ids))]
+
+
 def verify_ring(
     qkv: NDArray,
     decay: NDArray,
@@ -423,6 +441,7 @@ __all__ = [
     "lane_dot",
     "query_scale",
     "recurrence",
+    "recurrence_layers",
     "verify_ring",
     "verify_tree",
 ]

@@ -246,57 +246,45 @@ async def measure_server(url: str, args: argparse.Namespace, vocab: int) -> list
     return out
 
 
-def serve_together_and_measure(folder: Path, copies: Path, logs: Path, args: argparse.Namespace,
-                               vocab: int) -> list[dict[str, Any]]:
-    """Every route and pool's server started at once, each from its own copy of the
-    checkpoint under ``copies`` (MAX caches a checkpoint's config per folder), awaited
-    together, then timed one at a time while the others idle."""
+def serve_and_measure(pairs: Sequence[tuple[str, str]], folder: Path, copies: Path, logs: Path,
+                      args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """The servers of these (route, pool) pairs started at once, awaited together, then
+    timed one at a time while the others idle. A lone server serves ``folder``; side by
+    side each serves its own copy under ``copies`` (MAX caches a checkpoint's config per
+    folder)."""
     import contextlib
     import shutil
 
     from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
 
     with contextlib.ExitStack() as stack:
-        servers = []
-        for pool in args.pools:
-            for route in args.routes:
-                copy = copies / f"{folder.name}-{route}-{pool}"
-                if not copy.exists():
-                    shutil.copytree(folder, copy)
+        servers, ports = [], set()
+        for route, pool in pairs:
+            served = folder
+            if len(pairs) > 1:
+                served = copies / f"{folder.name}-{route}-{pool}"
+                if not served.exists():
+                    shutil.copytree(folder, served)
+            port = free_port()
+            while port in ports:
                 port = free_port()
-                while any(url.endswith(f":{port}") for _, _, url, _, _ in servers):
-                    port = free_port()
-                argv, env = serve_command(route, pool, copy, port, args)
-                log = logs / f"{route}-{pool}.log"
-                proc = stack.enter_context(running(argv, env, log))
-                servers.append((route, pool, f"http://127.0.0.1:{port}", proc, log))
+            ports.add(port)
+            argv, env = serve_command(route, pool, served, port, args)
+            log = logs / f"{route}-{pool}.log"
+            proc = stack.enter_context(running(argv, env, log))
+            servers.append((route, pool, f"http://127.0.0.1:{port}", proc, log))
         started = time.perf_counter()
 
         async def all_ready() -> None:
             await asyncio.gather(*(wait_ready(url, proc, log, args.ready_s) for _, _, url, proc, log in servers))
 
         asyncio.run(all_ready())
-        print(f"{len(servers)} servers ready together in {time.perf_counter() - started:.0f} s", flush=True)
+        names = "; ".join(f"{route}, {pool} pools" for route, pool in pairs)
+        print(f"{names}: ready in {time.perf_counter() - started:.0f} s", flush=True)
         results: list[dict[str, Any]] = []
         for route, pool, url, _, _ in servers:
             results += [{"route": route, "pool": pool, **m} for m in asyncio.run(measure_server(url, args, vocab))]
     return results
-
-
-def serve_and_measure(route: str, pool: str, folder: Path, logs: Path, args: argparse.Namespace,
-                      vocab: int) -> list[dict[str, Any]]:
-    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
-
-    port = free_port()
-    argv, env = serve_command(route, pool, folder, port, args)
-    log = logs / f"{route}-{pool}.log"
-    with running(argv, env, log) as proc:
-        url = f"http://127.0.0.1:{port}"
-        started = time.perf_counter()
-        asyncio.run(wait_ready(url, proc, log, args.ready_s))
-        print(f"{route}, {pool} pools: ready in {time.perf_counter() - started:.0f} s", flush=True)
-        measured = asyncio.run(measure_server(url, args, vocab))
-    return [{"route": route, "pool": pool, **m} for m in measured]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -322,12 +310,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                       date, commit())
         print(head, flush=True)
         results: list[dict[str, Any]] = []
-        if args.start_together:
-            results = serve_together_and_measure(folder, Path(scratch), logs, args, vocab)
-        else:
-            for pool in args.pools:
-                for route in args.routes:
-                    results += serve_and_measure(route, pool, folder, logs, args, vocab)
+        pairs = [(route, pool) for pool in args.pools for route in args.routes]
+        for group in [pairs] if args.start_together else [[pair] for pair in pairs]:
+            results += serve_and_measure(group, folder, Path(scratch), logs, args, vocab)
     from rich.console import Console
 
     print(head)

@@ -36,14 +36,15 @@ GATE_HELP = ("head: one decay per head (Qwen3-Next-80B's 36 layers); channel: pe
 
 def _state_dtypes(dtypes: str) -> list[DType]:
     """The pool dtypes that ``--dtypes`` names, comma-separated; any other name is refused."""
-    from max.dtype import DType
+    from .eager.base import state_dtype_named
 
-    known = {"float32": DType.float32, "bfloat16": DType.bfloat16}
-    names = dtypes.split(",")
-    for name in names:
-        if name not in known:
-            raise typer.BadParameter(f"{name!r} is not float32 or bfloat16", param_hint="--dtypes")
-    return [known[name] for name in names]
+    named = []
+    for name in dtypes.split(","):
+        try:
+            named.append(state_dtype_named("--dtypes", name))
+        except ValueError:
+            raise typer.BadParameter(f"{name!r} is not float32 or bfloat16", param_hint="--dtypes") from None
+    return named
 
 
 def _bits(array: np.ndarray) -> np.ndarray:

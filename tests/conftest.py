@@ -39,6 +39,28 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         import max.nn  # noqa: F401
 
+        _precompile_kernels_for_the_session(config)
+
+
+def _precompile_kernels_for_the_session(config: pytest.Config) -> None:
+    """On a CPU-only machine the session's graphs are built from the kernels precompiled
+    once (``GDFOLD_MAX_KERNELS``, which the workers and the examples run in subprocesses
+    inherit): MAX parses a source package again for every graph, about 5 s a graph on a
+    CPU core. On a machine with an accelerator the sources are used, the route on which
+    the GPU results were measured. A variable already set is left as it is."""
+    import os
+    import shutil
+    import tempfile
+
+    from gdfold_max.ops.kernels import KERNELS_ENV, precompile_kernels
+
+    if os.environ.get(KERNELS_ENV) or has_accelerator():
+        return
+    folder = Path(tempfile.mkdtemp(prefix="gdfold-max-kernels-"))
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    os.environ[KERNELS_ENV] = str(precompile_kernels(folder / "gdfold_max_kernels.mojoc"))
+    config.add_cleanup(lambda: os.environ.pop(KERNELS_ENV, None))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if has_accelerator():

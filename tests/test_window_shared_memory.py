@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from max.dtype import DType
 
-from gdfold_max import kernels_path
+from gdfold_max.ops.kernels import kernel_sources
 from gdfold_max.ops.shared_memory import BLOCK_SHARED_MAX, BLOCK_STATIC_LIMIT, static_bytes, tile_bytes
 
 # (state dtype, K, column tile, fold on load): the tiles the ops default to, the widest
@@ -38,7 +38,7 @@ def _mojo() -> str:
 
 
 def test_shared_memory_count_matches_the_kernels(tmp_path: Path) -> None:
-    (tmp_path / "gdfold").symlink_to(kernels_path(), target_is_directory=True)
+    (tmp_path / "gdfold").symlink_to(kernel_sources(), target_is_directory=True)
     lines = [
         "from gdfold.window_gpu_staging import (",
         "    BLOCK_SHARED_LIMIT, BLOCK_SHARED_MAX, window_static_bytes, window_tile_bytes,",

@@ -5,15 +5,13 @@ the Mojo compiler on the host, so that the two cannot drift apart."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from max.dtype import DType
 
-from gdfold_max.ops.kernels import kernel_sources
+from gdfold_max.ops.kernels import kernel_sources, mojo_compiler
 from gdfold_max.ops.shared_memory import BLOCK_SHARED_MAX, BLOCK_STATIC_LIMIT, static_bytes, tile_bytes
 
 # (state dtype, K, column tile, fold on load): the tiles the ops default to, the widest
@@ -31,8 +29,8 @@ CASES = [
 
 
 def _mojo() -> str:
-    found = shutil.which("mojo") or str(Path(sys.executable).parent / "mojo")
-    if not Path(found).exists():
+    found = mojo_compiler()
+    if found is None:
         pytest.skip("no mojo compiler on this machine")
     return found
 

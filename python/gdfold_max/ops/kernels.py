@@ -86,6 +86,12 @@ def kernels_path() -> Path:
     return path
 
 
+def mojo_compiler() -> str | None:
+    """The ``mojo`` compiler installed beside this Python (MAX's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mojo")
+    return str(beside) if beside.exists() else shutil.which("mojo")
+
+
 def precompile_kernels(out: Path) -> Path:
     """Precompiles the kernel sources into the package ``out`` (``.mojoc``) with the
     ``mojo`` compiler installed beside this Python (MAX's), and returns ``out``. Graphs
@@ -99,8 +105,7 @@ def precompile_kernels(out: Path) -> Path:
     out = Path(out)
     if out.suffix != ".mojoc":
         raise ValueError(f"out: {str(out)!r} must end in .mojoc")
-    beside = Path(sys.executable).with_name("mojo")
-    mojo = str(beside) if beside.exists() else shutil.which("mojo")
+    mojo = mojo_compiler()
     if mojo is None:
         raise FileNotFoundError("no `mojo` compiler beside this Python or on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,11 @@ def hf_config(shapes: Shapes = TINY) -> dict:
     config and a vision tower (which MAX's fused speculative graph leaves out)."""
     s = shapes
     layer_types = ["linear_attention"] * (s.layers - 1) + ["full_attention"]
+    # MAX checks the three mrope sections (temporal, height, width) sum to half the rotary
+    # dimension (a quarter of the head): 16 as (6, 5, 5) for heads of 128, scaled alike.
+    half_rotary = s.attention_head_dim // 8
+    side = half_rotary * 5 // 16
+    mrope_section = [half_rotary - 2 * side, side, side]
     text = {
         "model_type": "qwen3_5_text", "vocab_size": s.vocab, "hidden_size": s.hidden, "intermediate_size": s.ffn,
         "num_hidden_layers": s.layers, "layer_types": layer_types, "full_attention_interval": s.layers,
@@ -94,7 +99,7 @@ def hf_config(shapes: Shapes = TINY) -> dict:
         "linear_num_key_heads": s.key_heads, "linear_num_value_heads": s.value_heads,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+                            "mrope_section": mrope_section, "mrope_interleaved": True},
         "attn_output_gate": True, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
         "eos_token_id": special_id("<|im_end|>", s), "dtype": s.dtype,
     }

@@ -102,3 +102,23 @@ def test_print_commands_needs_no_gpu(bench: dict, capsys: pytest.CaptureFixture[
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
     assert "--custom-architectures" not in lines[0] and lines[1].startswith("GDFOLD_MAX_QWEN3_5=fused ")
+
+
+@pytest.mark.parametrize("which", ["tiny", "next-shapes"])
+def test_max_s_rotary_embedding_takes_the_checkpoint_s_mrope_sections(bench: dict, which: str) -> None:
+    """MAX's Qwen3.5 rotary embedding, built from the config the example writes as MAX's
+    ``Qwen3_5`` builds it (``qwen3_5/qwen3_5.py:381``), accepts its mrope sections for
+    the tiny checkpoint and for the benchmark's full-attention heads of 256 (they must sum
+    to half the rotary dimension: ``qwen3_5/layers/text_rotary.py``)."""
+    from max.pipelines.architectures.qwen3_5.layers.text_rotary import Qwen3_5TextRotaryEmbedding
+
+    example = runpy.run_path(str(bench["EXAMPLE"]))
+    shapes = example["TINY"] if which == "tiny" else example["Shapes"](**bench["SHAPES"])
+    config = example["hf_config"](shapes)
+    text = config.get("text_config", config)
+    rope = text["rope_parameters"]
+    rotary_dim = int(text["head_dim"] * rope["partial_rotary_factor"])
+    embedding = Qwen3_5TextRotaryEmbedding(dim=text["hidden_size"], n_heads=text["num_attention_heads"],
+                                           theta=rope["rope_theta"], max_seq_len=text["max_position_embeddings"],
+                                           mrope_section=rope["mrope_section"], head_dim=rotary_dim)
+    assert sum(embedding.mrope_section) == rotary_dim // 2

@@ -128,11 +128,14 @@ def host_buffer(array: np.ndarray) -> Buffer:
 def copy_back(buffer: Buffer, array: np.ndarray) -> None:
     """Copies a device Buffer's contents into the numpy array it was uploaded from.
 
-    A bf16 buffer is viewed as its uint16 bits where it lives, before the copy, so that the
-    host reads the buffer the copy returned, whose reads MAX orders after the copy, never a
-    view of it: in a bf16 MAX layer test on an H100 a pool read through a view of its host
-    copy came back as it was before the step
-    (bench/results/plain-step-bf16-probe-h100-2026-12-06.txt)."""
+    The buffer's device is synchronized first, so that every write queued to the buffer
+    has landed: in a bf16 MAX layer test on an H100 the pool a graph had just written,
+    read after a read of the graph's output, came back as it was before the step, where
+    read first, or after a synchronize, it was exact
+    (bench/results/gpu-tests-max-layers-selected-h100-2026-12-06.txt). A bf16 buffer is
+    read as its uint16 bits (numpy has no bf16 of its own)."""
+    if not buffer.device.is_host:
+        buffer.device.synchronize()
     if array.dtype == np.dtype(ml_dtypes.bfloat16):
         np.copyto(array.view(np.uint16), buffer.view(DType.uint16).to(CPU()).to_numpy())
     else:

@@ -16,7 +16,16 @@ and is left out of the step. A step is one call of a compiled graph, best of
 differences are the state ops'.
 
     python bench/integrations/max_qwen3_5_step.py [--layers 8] [--batches 1,8,64] [--dtype bfloat16]
-        [--lock FILE]
+        [--lock FILE] [--symbolic-width] [--queued N]
+
+``--symbolic-width``: the verify width is a graph input (``[K]`` int64 on the host), as in
+MAX's served graph, where one graph runs prefill (no drafts) and verify steps; the fused
+layers then choose between their forward and their verify as the graph runs (an
+``ops.cond`` per layer), where with the width fixed at build time they do not branch, and
+MAX's layer on a GPU below SM100 runs its verify with no branch either
+(``qwen3_5/layers/gated_deltanet.py:717-733``). ``--queued N``: a step is also timed as a
+server runs steps, N calls queued before one synchronize (the host launching the next step
+while the device runs one), per step.
 
 With ``--lock FILE`` the timing waits for an exclusive lock on FILE, so that runs for
 several dtypes (or other benchmarks holding the same lock) compile side by side but time
@@ -71,9 +80,10 @@ def random_weights(stack: Stack, seed: int = 0) -> dict[str, object]:
     return weights
 
 
-def step_graph(variant: str, layers: int, dtype: DType, stride: int, weights: dict[str, object] | None = None
-               ) -> tuple[Graph, Stack]:
-    """The step's graph, and the stack whose weights (random unless given) it names."""
+def step_graph(variant: str, layers: int, dtype: DType, stride: int, weights: dict[str, object] | None = None,
+               symbolic_width: bool = False) -> tuple[Graph, Stack]:
+    """The step's graph, and the stack whose weights (random unless given) it names;
+    with ``symbolic_width`` the verify width is its last input."""
     stack = Stack(layers, dtype, variant == "fused")
     # Loading names every weight by its path in the stack, which the graph then uses.
     stack.load_state_dict(weights if weights is not None else random_weights(stack))
@@ -84,12 +94,14 @@ def step_graph(variant: str, layers: int, dtype: DType, stride: int, weights: di
               BufferType(DType.float32, ["ring_rows", NK, WINDOW, stride], where),
               TensorType(u32, [layers, "B"], where), TensorType(u32, [layers, "B"], where),
               TensorType(u32, [layers, "B"], where), TensorType(u32, ["B1"], where), TensorType(u32, ["B"], where)]
+    if symbolic_width:
+        inputs.append(TensorType(DType.int64, ["K"], DeviceRef.CPU()))
     routes = {"max": None, "patched": {}, "ours": {"verify": True}, "fused": {}}[variant]
     with Graph(f"gdn_stack_{variant}_{dtype.name}", input_types=inputs,
                custom_extensions=[kernels_path()]) as graph, \
             (max_qwen3_5.patched(**routes) if routes is not None else nullcontext()):
-        x, conv, pool, ring, rows, ring_rows, previous_rows, offsets, accepted = graph.inputs
-        width = verify_width_operand(WINDOW - 1)
+        x, conv, pool, ring, rows, ring_rows, previous_rows, offsets, accepted = graph.inputs[:9]
+        width = graph.inputs[9].tensor if symbolic_width else verify_width_operand(WINDOW - 1)
         hidden = x.tensor
         for index, layer in enumerate(stack.layers):
             extra = ({"previous_ring_row_id": previous_rows.tensor[index], "previous_num_accepted": accepted.tensor}
@@ -111,6 +123,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--lock", help="time only while holding an exclusive lock on this file")
+    parser.add_argument("--symbolic-width", action="store_true",
+                        help="the verify width as a graph input, as in MAX's served graph")
+    parser.add_argument("--queued", type=int, default=0, metavar="N",
+                        help="also time N calls queued before one synchronize, per step")
     args = parser.parse_args()
     dtype = getattr(DType, args.dtype)
     np_dtype = ml_dtypes.bfloat16 if dtype == DType.bfloat16 else np.float32
@@ -121,7 +137,7 @@ def main() -> None:
     models = {}
     weights = random_weights(Stack(args.layers, dtype, fused=False))
     for variant in VARIANTS:
-        graph, stack = step_graph(variant, args.layers, dtype, stride, weights)
+        graph, stack = step_graph(variant, args.layers, dtype, stride, weights, args.symbolic_width)
         models[variant] = session.load(graph, weights_registry=stack.state_dict())
         print(f"[{time.perf_counter() - started:5.0f} s] compiled {variant}", flush=True)
     if args.lock:
@@ -145,17 +161,23 @@ def main() -> None:
         tables = [rows, rows, rows + np.uint32(args.layers * batch), np.arange(0, tokens + 1, WINDOW, dtype=np.uint32),
                   np.full(batch, ACCEPTED, np.uint32)]
         buffers += [Buffer.from_numpy(t).to(gpu) for t in tables]
-        seconds = {}
-        for variant, model in models.items():
-            def run(model: object = model, buffers: list[Buffer] = buffers) -> None:
-                model.execute(*buffers)  # type: ignore[attr-defined]
-                gpu.synchronize()
+        if args.symbolic_width:
+            buffers.append(Buffer.from_numpy(np.arange(WINDOW - 1, dtype=np.int64)))
+        for label, calls in (("", 1), (f" queued {args.queued}", args.queued)):
+            if calls == 0:
+                continue
+            seconds = {}
+            for variant, model in models.items():
+                def run(model: object = model, buffers: list[Buffer] = buffers, calls: int = calls) -> None:
+                    for _ in range(calls):
+                        model.execute(*buffers)  # type: ignore[attr-defined]
+                    gpu.synchronize()
 
-            seconds[variant] = best_seconds(run, args.repeats)
-        us = {v: 1e6 * s for v, s in seconds.items()}
-        print(f"{batch:>5} " + " ".join(f"{us[v]:9.1f}" for v in VARIANTS) +
-              f"  {seconds['max'] / seconds['patched']:10.2f}x {seconds['max'] / seconds['ours']:8.2f}x"
-              f" {seconds['max'] / seconds['fused']:9.2f}x", flush=True)
+                seconds[variant] = best_seconds(run, args.repeats) / calls
+            us = {v: 1e6 * s for v, s in seconds.items()}
+            print(f"{batch:>5} " + " ".join(f"{us[v]:9.1f}" for v in VARIANTS) +
+                  f"  {seconds['max'] / seconds['patched']:10.2f}x {seconds['max'] / seconds['ours']:8.2f}x"
+                  f" {seconds['max'] / seconds['fused']:9.2f}x{label}", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ GROUPS: dict[str, tuple[list[str], str]] = {
     # Two tests of three and four `max serve` processes of the tiny checkpoint, side by side.
     # Run it with nothing else on the GPU: each server sizes its KV cache from a tenth of
     # the GPU, and beside other groups MAX's own MTP server found too little
-    # (bench/results/gpu-tests-max-serve-h100-2026-12-06.txt).
+    # (bench/results/gpu-tests-max-serve-h100-2026-12-06.txt as of c9933ba).
     "max-serve": (["test_integration_max_qwen3_5_serve.py"], "load"),
 }
 

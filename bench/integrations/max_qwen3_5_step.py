@@ -100,8 +100,8 @@ def step_graph(variant: str, layers: int, dtype: DType, stride: int, weights: di
     with Graph(f"gdn_stack_{variant}_{dtype.name}", input_types=inputs,
                custom_extensions=[kernels_path()]) as graph, \
             (max_qwen3_5.patched(**routes) if routes is not None else nullcontext()):
-        x, conv, pool, ring, rows, ring_rows, previous_rows, offsets, accepted = graph.inputs[:9]
-        width = graph.inputs[9].tensor if symbolic_width else verify_width_operand(WINDOW - 1)
+        x, conv, pool, ring, rows, ring_rows, previous_rows, offsets, accepted, *width_input = graph.inputs
+        width = width_input[0].tensor if symbolic_width else verify_width_operand(WINDOW - 1)
         hidden = x.tensor
         for index, layer in enumerate(stack.layers):
             extra = ({"previous_ring_row_id": previous_rows.tensor[index], "previous_num_accepted": accepted.tensor}

@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -252,9 +254,6 @@ def serve_and_measure(pairs: Sequence[tuple[str, str]], folder: Path, copies: Pa
     timed one at a time while the others idle. A lone server serves ``folder``; side by
     side each serves its own copy under ``copies`` (MAX caches a checkpoint's config per
     folder)."""
-    import contextlib
-    import shutil
-
     from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
 
     with contextlib.ExitStack() as stack:

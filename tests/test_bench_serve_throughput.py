@@ -97,6 +97,19 @@ def test_the_table_gives_ours_over_max_per_pool_and_concurrency(bench: dict) -> 
     assert line == "# serve_throughput.py --pools float32 | GPU: NVIDIA H100 | 2026-12-06 | commit abc1234"
 
 
+def test_rounds_take_turns_in_both_orders_and_the_median_round_counts(bench: dict) -> None:
+    assert bench["round_order"](2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    assert bench["round_order"](1, 2) == [[0], [0]]
+    runs = [fake("fused", "bfloat16", 8, rate) for rate in (300.0, 100.0, 200.0)]
+    median = bench["median_round"](runs)
+    assert median["tokens_per_s"] == 200.0 and median["seconds"] == pytest.approx(5.0)
+    assert median["rounds"] == [300.0, 100.0, 200.0]
+    assert bench["median_round"](runs[:2])["tokens_per_s"] == 100.0  # the lower middle of an even count
+    assert bench["parse_args"](["--rounds", "5"]).rounds == 5 and bench["parse_args"]([]).rounds == 3
+    with pytest.raises(SystemExit):
+        bench["parse_args"](["--rounds", "0"])
+
+
 def test_print_commands_needs_no_gpu(bench: dict, capsys: pytest.CaptureFixture[str]) -> None:
     bench["main"](["--print-commands", "--routes", "max", "fused", "--pools", "bfloat16"])
     lines = capsys.readouterr().out.splitlines()

@@ -25,7 +25,10 @@ Each server: started, ``/health`` awaited, then for each concurrency one untimed
 that many requests, then ``--waves`` waves timed: every request greedy (``temperature
 0``), ``ignore_eos``, the same prompt length and ``max_tokens``, at most ``concurrency``
 in flight. Tokens per second is the output tokens the server reports (``usage``) over
-the wall time from the first request sent to the last answer. The weights are random, so
+the wall time from the first request sent to the last answer. Each server is timed in
+``--rounds`` rounds; servers started together take their turns in each round, the order
+reversed every other round (so that no route is always timed first). Each figure is the
+median round's; the JSON keeps every round's rate. The weights are random, so
 the drafts are almost never accepted: the table compares the cost of a served step, not
 a speculative speed-up.
 
@@ -48,6 +51,7 @@ import os
 import runpy
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--waves", type=int, default=4, help="timed requests per concurrency = waves * concurrency")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each server is timed (in turn with the others); the median counts")
     parser.add_argument("--drafts", type=int, default=3, help="--num-speculative-tokens")
     parser.add_argument("--memory", type=float, default=0.8, help="--device-memory-utilization")
     parser.add_argument("--folder", type=Path, help="where to write the checkpoint (default: a temporary folder)")
@@ -90,8 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              " each with --memory shared out among them, then time them one at a time while the"
                              " others idle")
     args = parser.parse_args(argv)
-    if min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1:
-        parser.error("--concurrency, --waves, --prompt-len and --output-len must be positive")
+    if min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1 or args.rounds < 1:
+        parser.error("--concurrency, --waves, --rounds, --prompt-len and --output-len must be positive")
     return args
 
 
@@ -146,6 +152,23 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def rate(output_tokens: int, seconds: float) -> float:
     return output_tokens / seconds if seconds > 0 else float("nan")
+
+
+def round_order(servers: int, rounds: int) -> list[list[int]]:
+    """The order servers are timed in each round: in turn, reversed every other round.
+
+    >>> round_order(3, 3)
+    [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    """
+    return [list(range(servers))[::-1 if r % 2 else 1] for r in range(rounds)]
+
+
+def median_round(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One concurrency's measurements over the rounds: the median round's (the lower of
+    the two middle ones for an even count), with every round's rate kept in ``rounds``."""
+    rates = [r["tokens_per_s"] for r in runs]
+    middle = statistics.median_low(rates)
+    return {**runs[rates.index(middle)], "rounds": rates}
 
 
 def rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -280,9 +303,18 @@ def serve_and_measure(pairs: Sequence[tuple[str, str]], folder: Path, copies: Pa
         asyncio.run(all_ready())
         names = "; ".join(f"{route}, {pool} pools" for route, pool in pairs)
         print(f"{names}: ready in {time.perf_counter() - started:.0f} s", flush=True)
+        # Rounds in turn, so that a drift in the machine's speed falls on every route alike.
+        rounds = round_order(len(servers), args.rounds)
+        measured: list[list[list[dict[str, Any]]]] = [[] for _ in servers]
+        for number, order in enumerate(rounds, 1):
+            for i in order:
+                route, pool, url, _, _ = servers[i]
+                print(f"round {number} of {len(rounds)}: {route}, {pool} pools", flush=True)
+                measured[i].append(asyncio.run(measure_server(url, args, vocab)))
         results: list[dict[str, Any]] = []
-        for route, pool, url, _, _ in servers:
-            results += [{"route": route, "pool": pool, **m} for m in asyncio.run(measure_server(url, args, vocab))]
+        for (route, pool, _, _, _), per_round in zip(servers, measured, strict=True):
+            for runs in zip(*per_round, strict=True):
+                results.append({"route": route, "pool": pool, **median_round(runs)})
     return results
 
 

@@ -10,7 +10,8 @@ MAX's own builder, MTP and DFlash2: its input signature and which state ops it h
 The MAX sources the architecture follows are pinned by hash.
 
 On a GPU: ``max serve`` on localhost, fused, fold-only, fold+verify, MAX's own MTP and
-plain decoding, each answering the same concurrent requests.
+plain decoding, each answering the same concurrent requests; and the same for DFlash2
+(a bf16 copy of the checkpoint with the example's tiny drafter) beside MAX's own DFlash2.
 """
 
 from __future__ import annotations
@@ -648,21 +649,31 @@ def max_command() -> list[str]:
     return [str(found)]
 
 
+#: The speculative flags of each method; DFlash2's drafter comes with its own width
+#: (its blocks of 8: 7 drafts) and runs in bf16 (MAX 26.7 pins its KV cache to bf16).
+def speculative_flags(method: str | None, draft: Path | None) -> list[str]:
+    if method is None:
+        return []
+    if method == "mtp":
+        return ["--speculative-method", "mtp", "--num-speculative-tokens", str(SERVED_DRAFTS)]
+    assert method == "dflash2" and draft is not None
+    return ["--speculative-method", "dflash2", "--draft-model-path", str(draft),
+            "--draft-quantization-encoding", "bfloat16"]
+
+
 @contextmanager
-def served(name: str, folder: Path, logs: Path, *, mode: str | None, speculative: bool,
-           extra: tuple[str, ...] = ()) -> Iterator[dict]:
+def served(name: str, folder: Path, logs: Path, *, mode: str | None, method: str | None,
+           extra: tuple[str, ...] = (), encoding: str = "float32", draft: Path | None = None) -> Iterator[dict]:
     """``max serve`` in a process group of its own, until the block ends (SIGTERM, then
     SIGKILL to that group only)."""
     from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running
 
     port = free_port()
     argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
-            "--quantization-encoding", "float32", "--max-length", str(SERVED_LENGTH),
+            "--quantization-encoding", encoding, "--max-length", str(SERVED_LENGTH),
             "--max-batch-size", str(SERVED_BATCH), "--device-memory-utilization", "0.1", "--no-device-graph-capture",
             "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", "tiny", *extra]
-    if speculative:
-        argv += ["--speculative-method", "mtp", "--num-speculative-tokens", str(SERVED_DRAFTS)]
+            "--port", str(port), "--served-model-name", "tiny", *extra, *speculative_flags(method, draft)]
     # faulthandler: a model worker that crashes leaves its Python stack in the log.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1",
            "PYTHONFAULTHANDLER": "1",
@@ -752,35 +763,50 @@ async def exercise(server: dict) -> dict:
             "chat": (message.get("content") or "") + (message.get("reasoning_content") or "")}
 
 
-#: name -> (GDFOLD_MAX_QWEN3_5 or None for MAX's own, speculative, extra flags)
-SERVERS: dict[str, tuple[str | None, bool, tuple[str, ...]]] = {
-    "fused": ("fused", True, ()),
-    "fused-no-overlap": ("fused", True, ("--disable-overlap",)),
-    "fold+verify": ("fold+verify", True, ()),
-    "fold": ("fold", True, ()),
-    "max-mtp": (None, True, ()),
-    "plain": (None, False, ()),
+#: name -> (GDFOLD_MAX_QWEN3_5 or None for MAX's own, speculative method or None for plain
+#: decoding, extra flags). The ``dflash2-`` servers serve a bf16 copy of the checkpoint.
+SERVERS: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
+    "fused": ("fused", "mtp", ()),
+    "fused-no-overlap": ("fused", "mtp", ("--disable-overlap",)),
+    "fold+verify": ("fold+verify", "mtp", ()),
+    "fold": ("fold", "mtp", ()),
+    "max-mtp": (None, "mtp", ()),
+    "plain": (None, None, ()),
+    "dflash2-fused": ("fused", "dflash2", ()),
+    "dflash2-fold+verify": ("fold+verify", "dflash2", ()),
+    "dflash2-fold": ("fold", "dflash2", ()),
+    "dflash2-max": (None, "dflash2", ()),
+    "dflash2-plain": (None, None, ()),
 }
 
 
 def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict[str, dict]:
     """The named servers of the tiny checkpoint side by side (each a tenth of the GPU), all
     asked the same (:func:`exercise`). Each must answer its second wave as its first (after
-    a cancelled stream: ring blocks reused, tags reset). Returns each server's answers."""
+    a cancelled stream: ring blocks reused, tags reset). Returns each server's answers.
+    ``dflash2-`` names serve the checkpoint in bf16 with the example's tiny drafter."""
     pytest.importorskip("httpx")
-    folder = example["write_checkpoint"](tmp_path / "tiny")
+    dflash2 = names[0].startswith("dflash2-")
+    assert all(n.startswith("dflash2-") == dflash2 for n in names), names
+    if dflash2:
+        shapes = example["Shapes"](dtype="bfloat16")
+        folder = example["write_checkpoint"](tmp_path / "tiny", shapes)
+        draft = example["write_dflash2_draft"](tmp_path / "draft", shapes)
+    else:
+        folder, draft = example["write_checkpoint"](tmp_path / "tiny"), None
     logs = tmp_path / "logs"
     logs.mkdir()
     with ExitStack() as stack:
         servers: dict[str, dict] = {}
 
         def start(name: str) -> None:
-            mode, speculative, extra = SERVERS[name]
+            mode, method, extra = SERVERS[name]
             # A folder per server: MAX caches a checkpoint's config per folder.
             copy = tmp_path / f"tiny-{name}"
             shutil.copytree(folder, copy)
-            servers[name] = stack.enter_context(served(name, copy, logs, mode=mode, speculative=speculative,
-                                                       extra=extra))
+            servers[name] = stack.enter_context(served(
+                name, copy, logs, mode=mode, method=method, extra=extra,
+                encoding="bfloat16" if dflash2 else "float32", draft=draft if method else None))
 
         async def everything() -> dict:
             deadline = time.monotonic() + READY_S
@@ -833,3 +859,20 @@ def test_max_serve_with_our_fold_gives_max_s_tokens(example: dict, tmp_path: Pat
     assert results["fold"]["first"] == results["max-mtp"]["first"]
     assert results["fold"]["chat"] == results["max-mtp"]["chat"]
     assert results["max-mtp"]["first"] == results["plain"]["first"]
+
+
+@pytest.mark.gpu
+def test_max_serve_dflash2_with_our_ops_gives_the_tokens_of_max_s_dflash2_and_plain_decoding(
+        example: dict, tmp_path: Path) -> None:
+    """MAX's DFlash2 pipeline (blocks of 8 from the example's tiny drafter, a bf16 target)
+    with our ops: the fused step gives fold+verify's tokens (the same pools, bit for bit),
+    the fold-only route MAX's DFlash2 tokens (our fold is bit-identical to MAX's), and
+    both plain decoding's (the bf16 checkpoint served without drafts)."""
+    results = serve_and_ask(("dflash2-fused", "dflash2-fold+verify", "dflash2-fold", "dflash2-max", "dflash2-plain"),
+                            example, tmp_path)
+    assert results["dflash2-fused"]["first"] == results["dflash2-fold+verify"]["first"]
+    assert results["dflash2-fused"]["chat"] == results["dflash2-fold+verify"]["chat"]
+    assert results["dflash2-fold"]["first"] == results["dflash2-max"]["first"]
+    assert results["dflash2-fold"]["chat"] == results["dflash2-max"]["chat"]
+    assert results["dflash2-fused"]["first"] == results["dflash2-plain"]["first"]
+    assert results["dflash2-max"]["first"] == results["dflash2-plain"]["first"]

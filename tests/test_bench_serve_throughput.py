@@ -47,7 +47,7 @@ def test_each_route_serves_the_same_checkpoint_and_flags(bench: dict) -> None:
                 for route in ("max", "fold", "fused")}
     argv, env = commands["max"]
     assert "--custom-architectures" not in argv and "GDFOLD_MAX_QWEN3_5" not in env
-    for flag, value in (("--state-pool-dtype", "float32"), ("--max-batch-size", "64"), ("--port", "9000"),
+    for flag, value in (("--state-pool-dtype", "float32"), ("--max-batch-size", "128"), ("--port", "9000"),
                         ("--speculative-method", "mtp"), ("--num-speculative-tokens", "3"),
                         ("--quantization-encoding", "bfloat16"), ("--max-length", "256")):
         assert argv[argv.index(flag) + 1] == value
@@ -58,6 +58,11 @@ def test_each_route_serves_the_same_checkpoint_and_flags(bench: dict) -> None:
         assert ours_env["GDFOLD_MAX_QWEN3_5"] == route
     with pytest.raises(ValueError):
         bench["serve_command"]("max", "float16", folder, 9000, args)
+    sized = bench["parse_args"](["--concurrency", "1", "8", "--max-batch-size", "12"])
+    argv, _ = bench["serve_command"]("fused", "float32", folder, 9000, sized)
+    assert argv[argv.index("--max-batch-size") + 1] == "12"
+    with pytest.raises(SystemExit):
+        bench["parse_args"](["--concurrency", "1", "8", "--max-batch-size", "7"])
 
 
 def test_servers_started_together_share_the_memory_asked_for(bench: dict) -> None:

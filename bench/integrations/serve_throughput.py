@@ -85,6 +85,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="times each server is timed (in turn with the others); the median counts")
     parser.add_argument("--drafts", type=int, default=3, help="--num-speculative-tokens")
     parser.add_argument("--memory", type=float, default=0.8, help="--device-memory-utilization")
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="the servers' --max-batch-size (default: twice the largest --concurrency: MAX 26.7"
+                             " sizes the cache for this many requests but then builds it with the draft's attention"
+                             " cache too, and servers sized for exactly 64 preempted requests at 64)")
     parser.add_argument("--folder", type=Path, help="where to write the checkpoint (default: a temporary folder)")
     parser.add_argument("--logs", type=Path, default=Path("serve-throughput-logs"),
                         help="where the servers' logs go (default: serve-throughput-logs here)")
@@ -98,6 +102,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1 or args.rounds < 1:
         parser.error("--concurrency, --waves, --rounds, --prompt-len and --output-len must be positive")
+    if args.max_batch_size is None:
+        args.max_batch_size = 2 * max(args.concurrency)
+    elif args.max_batch_size < max(args.concurrency):
+        parser.error(f"--max-batch-size: {args.max_batch_size} is below the largest --concurrency,"
+                     f" {max(args.concurrency)}")
     return args
 
 
@@ -129,7 +138,7 @@ def serve_command(route: str, pool: str, folder: Path, port: int, args: argparse
     argv = [max_executable(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
             "--quantization-encoding", "bfloat16", "--state-pool-dtype", pool,
             "--max-length", str(max_length(args)),
-            "--max-batch-size", str(max(args.concurrency)), "--device-memory-utilization", str(server_memory(args)),
+            "--max-batch-size", str(args.max_batch_size), "--device-memory-utilization", str(server_memory(args)),
             "--no-device-graph-capture", "--speculative-method", "mtp", "--num-speculative-tokens", str(args.drafts),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
     env = dict(os.environ if environ is None else environ)

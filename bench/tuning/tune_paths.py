@@ -5,7 +5,8 @@ Qwen3-Next shapes (with ``--gate channel``, Kimi-Linear-48B's), per batch.
     python bench/tuning/tune_paths.py [--dtype D] [--gate head|channel] [--window W] [--rounds N]
                                       [--no-fla] [--eager] [--json FILE]
                                       [--ours fused forward] [--paths latency throughput auto]
-                                      [--kernels DIR ...] [--copy-path P] [BATCH ...]
+                                      [--kernels DIR ...] [--copy-path P] [--column-tiles T ...]
+                                      [BATCH ...]
 
 For each batch it prints, in µs per step, our fused verify (fold on load) and our
 forward (``--ours``) on each GPU path of ``--paths`` (default: the latency kernel and the
@@ -19,7 +20,9 @@ both gates. Every graph runs as a
 captured device graph (as MAX's pipelines run decoding steps, and as FLA's CUDA graphs
 run) unless ``--eager`` times ``execute()`` instead. ``--kernels`` adds each given copy
 of ``mojo/`` (a change to try, or the kernels before one) beside the installed one, on
-the path ``--copy-path`` names (default: the latency kernel).
+the path ``--copy-path`` names (default: the latency kernel). ``--column-tiles`` times each
+path of ``--paths`` at each of those column tiles (``path@tile``) instead of the default
+tile: at small batches a narrower tile makes more units of work for the SMs.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main() -> None:
                         help="copies of mojo/ timed beside the installed one")
     parser.add_argument("--copy-path", default="latency", choices=["auto", *PATHS],
                         help="the GPU path the copies of --kernels run")
+    parser.add_argument("--column-tiles", nargs="+", type=int, default=[],
+                        help="time each path of --paths at each of these column tiles (default: its default tile)")
     args = parser.parse_args()
     console = Console()
     device = Accelerator()
@@ -72,7 +77,10 @@ def main() -> None:
     session = InferenceSession(devices=[device])
     chain = 2
     anchors = StepGraphs(session, device, shape, chain)
-    by_path = {path: StepGraphs(session, device, shape, chain, {"gpu_path": path}) for path in args.paths}
+    by_path = {path if tile is None else f"{path}@{tile}":
+               StepGraphs(session, device, shape, chain,
+                          {"gpu_path": path} | ({} if tile is None else {"column_tile": tile}))
+               for path in args.paths for tile in (args.column_tiles or [None])}
     for folder in args.kernels:
         label = folder.parent.name if folder.name == "mojo" else folder.name
         by_path[f"{args.copy_path}@{label}"] = StepGraphs(session, device, shape, chain,

@@ -649,9 +649,10 @@ def max_command() -> list[str]:
     return [str(found)]
 
 
-#: The speculative flags of each method; DFlash2's drafter comes with its own width
-#: (its blocks of 8: 7 drafts) and runs in bf16 (MAX 26.7 pins its KV cache to bf16).
 def speculative_flags(method: str | None, draft: Path | None) -> list[str]:
+    """``max serve``'s speculative flags for ``method`` (none for plain decoding). DFlash2's
+    drafter comes with its own width (its blocks of 8: 7 drafts) and runs in bf16 (MAX
+    26.7 pins its KV cache to bf16)."""
     if method is None:
         return []
     if method == "mtp":

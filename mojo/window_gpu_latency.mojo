@@ -590,6 +590,132 @@ def fold_root_path[
 
 
 @always_inline
+def leaf_token[
+    ROWS: Int, CV: Int, //, K: Int, V: Int, CHANNEL: Bool
+](
+    held: Array[SIMD[DType.float32, CV], ROWS],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    t: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    column: Int,
+    lane: Int,
+) -> Tuple[Float32, Float32]:
+    """Token t (a leaf of a token tree: no node's state starts from its own) on the held
+    slab, its parent's state, which it leaves as it was: the readout o and the delta u of
+    this lane's column. Read from the window's inputs, not the staged chunk (a leaf is
+    stepped while its parent's state is held, out of the window's order), with the
+    arithmetic of chunk_norms and slab_token term for term: the same floats in the same
+    order, so the same bits. The decayed and updated state is summed into the readout
+    instead of stored (each decayed element computed twice: a product, the same bits)."""
+    comptime Columns = SIMD[DType.float32, CV]
+    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+    var q_at = t * qkv_width + key_head * K + lane
+    var k_at = t * qkv_width + (num_key_heads + key_head) * K + lane
+    var d_at = t * num_value_heads + value_head
+
+    # The row's decay and the key and query elements are read again where each pass uses
+    # them (L1 holds them): held as arrays across the passes they spilled.
+    @always_inline
+    def row_decay(m: Int) {imm} -> Float32:
+        comptime if CHANNEL:
+            return decay[unsafe_offset=d_at * K + m * REDUCTION_LANES + lane]
+        else:
+            return decay[unsafe_offset=d_at]
+
+    # chunk_norms' norms.
+    var k_squares = Float32(0.0)
+    var q_squares = Float32(0.0)
+    comptime for m in range(ROWS):
+        var k = qkv[unsafe_offset=k_at + m * REDUCTION_LANES]
+        var q = qkv[unsafe_offset=q_at + m * REDUCTION_LANES]
+        k_squares = fma(k, k, k_squares)
+        q_squares = fma(q, q, q_squares)
+    var inv_k = Float32(1.0) / rounded_sqrt(lane_sum(k_squares) + L2_EPS)
+    var q_scale = (Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)) * query_scale[K]()
+    # slab_token's step.
+    var partial = Columns(0.0)
+    comptime for m in range(ROWS):
+        partial = fma(held[m] * row_decay(m), Columns(qkv[unsafe_offset=k_at + m * REDUCTION_LANES]), partial)
+    var kv = slab_column_sum[CV](partial, lane)
+    var v = qkv[unsafe_offset=t * qkv_width + 2 * num_key_heads * K + value_head * V + column
+        + slab_slot[CV](lane)]
+    var u = (beta[unsafe_offset=d_at] * fma(-kv, inv_k, v)) * inv_k
+    var u_columns = slab_gather[CV](u, lane)
+    var out = Columns(0.0)
+    comptime for m in range(ROWS):
+        var k = qkv[unsafe_offset=k_at + m * REDUCTION_LANES]
+        var q = qkv[unsafe_offset=q_at + m * REDUCTION_LANES]
+        out = fma(fma(Columns(k), u_columns, held[m] * row_decay(m)), Columns(q * q_scale), out)
+    return (slab_column_sum[CV](out, lane), u)
+
+
+@always_inline
+def tree_inner_nodes(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, window: Int) -> Int:
+    """The bit set of the tree's nodes that are some node's parent (checked parents:
+    -1 or an earlier node). Every lane reads the same."""
+    var inner = 0
+    for node in range(window):
+        var parent = Int(parents[unsafe_offset=nodes_at + node])
+        if parent >= 0:
+            inner |= 1 << parent
+    return inner
+
+
+@always_inline
+def step_leaves[
+    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    held: Array[SIMD[DType.float32, CV], ROWS],
+    inner: Int,
+    parent: Int,
+    request: Int,
+    start: Int,
+    window: Int,
+    record_row_base: Int,
+    record_stride: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    group_slot: Int,
+    column: Int,
+    lane: Int,
+    writes_column: Bool,
+    records: Bool,
+):
+    """Steps the leaves (nodes outside `inner`) whose parent is `parent` (-1: the
+    committed state) on the held state, `parent`'s, which they leave as it was
+    (leaf_token): each one's readout, and its delta columns into its record."""
+    var slot = slab_slot[CV](lane)
+    for node in range(parent + 1, window):
+        if (inner >> node) & 1 != 0:
+            continue
+        if Int(parents[unsafe_offset=request * RING_LEN + node]) != parent:
+            continue
+        var leaf = leaf_token[K, V, CHANNEL](
+            held, qkv, decay, beta, start + node, num_key_heads, key_head, num_value_heads,
+            value_head, column, lane,
+        )
+        if writes_column:
+            readout[unsafe_offset=(start + node) * num_value_heads * V + value_head * V + column
+                + slot] = leaf[0]
+            if records:
+                ring[unsafe_offset=(record_row_base + node) * record_stride
+                    + delta_offset[K, V](group_slot) + column + slot] = leaf[1]
+
+
+@always_inline
 def hint_slab_rows[
     state_dtype: DType, //, K: Int, V: Int
 ](
@@ -867,6 +993,20 @@ def latency_unit[
                 if not commit:
                     store_state()
 
+        # A tree's nodes that are some node's parent are stepped in the window's order,
+        # each from the state `held` holds (last_stepped's); its leaves are stepped with
+        # their parent, its state held (step_leaves), and leave it as it was.
+        var inner = 0
+        var last_stepped = -1
+        comptime if TREE:
+            inner = tree_inner_nodes(parents, request * RING_LEN, end - start)
+            # The leaves whose parent is the committed state.
+            step_leaves[K, V, RING_LEN, CHANNEL](
+                readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
+                end - start, record_row_base, record_stride, num_key_heads, key_head,
+                num_value_heads, value_head, group_slot, column, lane, writes_column, records,
+            )
+
         # 3. The window, a chunk of tokens at a time.
         for chunk_start in range(start, end, CHUNK):
             var count = min(CHUNK, end - chunk_start)
@@ -884,12 +1024,15 @@ def latency_unit[
                     var token = chunk_start + c
                     comptime if TREE:
                         var node = token - start
+                        # A leaf stepped with its parent (step_leaves).
+                        var steps = (inner >> node) & 1 != 0
                         var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
-                        # `held` holds node - 1's state (the committed state before node
-                        # 0); a node whose parent is another starts from the committed
-                        # state with its parent's root path folded in. The parent is the
-                        # warp's (every lane read it), so the warp branches as one.
-                        if parent != node - 1:
+                        # `held` holds last_stepped's state (the committed state before
+                        # the first); a node whose parent is another starts from the
+                        # committed state with its parent's root path folded in. The
+                        # parent is the warp's (every lane read it), so the warp branches
+                        # as one.
+                        if steps and parent != last_stepped:
                             # The committed state: the pool, which a verify never writes
                             # but for a fold on load's result, stored above by this very
                             # thread (the same addresses: program order).
@@ -908,17 +1051,38 @@ def latency_unit[
                                 num_key_heads, key_head, num_value_heads, value_head,
                                 group_slot, column, lane,
                             )
-                    var readout_and_delta = slab_token[K, CHANNEL](
-                        held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
-                        query_scales[c], c * SLAB + staged_column + slot, lane,
-                    )
-                    var o = readout_and_delta[0]
-                    var u = readout_and_delta[1]
-                    if writes_column:
-                        readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
-                        if records:
-                            ring[unsafe_offset=(record_row_base + token - start) * record_stride
-                                + delta_offset[K, V](group_slot) + column + slot] = u
+                        # The chain's step below, under `steps` (written twice: with the
+                        # chain's inside this branch, its kernels compiled to other PTX).
+                        if steps:
+                            var tree_step = slab_token[K, CHANNEL](
+                                held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
+                                query_scales[c], c * SLAB + staged_column + slot, lane,
+                            )
+                            if writes_column:
+                                readout[unsafe_offset=token * readout_width + value_head * V + column
+                                    + slot] = tree_step[0]
+                                if records:
+                                    ring[unsafe_offset=(record_row_base + node) * record_stride
+                                        + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
+                            last_stepped = node
+                            step_leaves[K, V, RING_LEN, CHANNEL](
+                                readout, ring, qkv, decay, beta, parents, held, inner, node,
+                                request, start, end - start, record_row_base, record_stride,
+                                num_key_heads, key_head, num_value_heads, value_head,
+                                group_slot, column, lane, writes_column, records,
+                            )
+                    else:
+                        var readout_and_delta = slab_token[K, CHANNEL](
+                            held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
+                            query_scales[c], c * SLAB + staged_column + slot, lane,
+                        )
+                        var o = readout_and_delta[0]
+                        var u = readout_and_delta[1]
+                        if writes_column:
+                            readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
+                            if records:
+                                ring[unsafe_offset=(record_row_base + token - start) * record_stride
+                                    + delta_offset[K, V](group_slot) + column + slot] = u
             comptime if RECORD:
                 if records and slab == 0:
                     write_chunk_records[K, V, CHANNEL](

@@ -1018,60 +1018,63 @@ def latency_unit[
                 syncwarp()
             if staging or chunk_start > start:
                 chunk_norms[K](pairs, count, lane, inverse_key_norms, query_scales)
-            # Unrolled, so that a token's readout shuffles overlap the next token's sums.
-            comptime for c in range(CHUNK):
-                if c < count:
+            comptime if TREE:
+                # Not unrolled: a node's leaves step between it and the next.
+                for c in range(count):
                     var token = chunk_start + c
-                    comptime if TREE:
-                        var node = token - start
-                        # A leaf stepped with its parent (step_leaves).
-                        var steps = (inner >> node) & 1 != 0
-                        var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
-                        # `held` holds last_stepped's state (the committed state before
-                        # the first); a node whose parent is another starts from the
-                        # committed state with its parent's root path folded in. The
-                        # parent is the warp's (every lane read it), so the warp branches
-                        # as one.
-                        if steps and parent != last_stepped:
-                            # The committed state: the pool, which a verify never writes
-                            # but for a fold on load's result, stored above by this very
-                            # thread (the same addresses: program order).
-                            comptime for m in range(ROWS):
-                                held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
-                                    m * REDUCTION_LANES * V
-                                ).cast[DType.float32]()
-                            # The root path's delta columns of this thread were stored
-                            # to the ring by other lanes of this warp (the lanes that
-                            # write each column): their stores must be visible to this
-                            # lane's loads.
-                            warp_ring_visible()
-                            fold_root_path[K, V, RING_LEN, CHANNEL](
-                                held, ring, qkv, decay, parents, request, parent,
-                                record_row_base * record_stride, record_stride, start,
-                                num_key_heads, key_head, num_value_heads, value_head,
-                                group_slot, column, lane,
-                            )
-                        # The chain's step below, under `steps` (written twice: with the
-                        # chain's inside this branch, its kernels compiled to other PTX).
-                        if steps:
-                            var tree_step = slab_token[K, CHANNEL](
-                                held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
-                                query_scales[c], c * SLAB + staged_column + slot, lane,
-                            )
-                            if writes_column:
-                                readout[unsafe_offset=token * readout_width + value_head * V + column
-                                    + slot] = tree_step[0]
-                                if records:
-                                    ring[unsafe_offset=(record_row_base + node) * record_stride
-                                        + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
-                            last_stepped = node
-                            step_leaves[K, V, RING_LEN, CHANNEL](
-                                readout, ring, qkv, decay, beta, parents, held, inner, node,
-                                request, start, end - start, record_row_base, record_stride,
-                                num_key_heads, key_head, num_value_heads, value_head,
-                                group_slot, column, lane, writes_column, records,
-                            )
-                    else:
+                    var node = token - start
+                    # A leaf stepped with its parent (step_leaves).
+                    var steps = (inner >> node) & 1 != 0
+                    var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
+                    # `held` holds last_stepped's state (the committed state before
+                    # the first); a node whose parent is another starts from the
+                    # committed state with its parent's root path folded in. The
+                    # parent is the warp's (every lane read it), so the warp branches
+                    # as one.
+                    if steps and parent != last_stepped:
+                        # The committed state: the pool, which a verify never writes
+                        # but for a fold on load's result, stored above by this very
+                        # thread (the same addresses: program order).
+                        comptime for m in range(ROWS):
+                            held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
+                                m * REDUCTION_LANES * V
+                            ).cast[DType.float32]()
+                        # The root path's delta columns of this thread were stored
+                        # to the ring by other lanes of this warp (the lanes that
+                        # write each column): their stores must be visible to this
+                        # lane's loads.
+                        warp_ring_visible()
+                        fold_root_path[K, V, RING_LEN, CHANNEL](
+                            held, ring, qkv, decay, parents, request, parent,
+                            record_row_base * record_stride, record_stride, start,
+                            num_key_heads, key_head, num_value_heads, value_head,
+                            group_slot, column, lane,
+                        )
+                    # The chain's step below, under `steps` (written twice: with the
+                    # chain's inside this branch, its kernels compiled to other PTX).
+                    if steps:
+                        var tree_step = slab_token[K, CHANNEL](
+                            held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
+                            query_scales[c], c * SLAB + staged_column + slot, lane,
+                        )
+                        if writes_column:
+                            readout[unsafe_offset=token * readout_width + value_head * V + column
+                                + slot] = tree_step[0]
+                            if records:
+                                ring[unsafe_offset=(record_row_base + node) * record_stride
+                                    + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
+                        last_stepped = node
+                        step_leaves[K, V, RING_LEN, CHANNEL](
+                            readout, ring, qkv, decay, beta, parents, held, inner, node,
+                            request, start, end - start, record_row_base, record_stride,
+                            num_key_heads, key_head, num_value_heads, value_head,
+                            group_slot, column, lane, writes_column, records,
+                        )
+            else:
+                # Unrolled, so that a token's readout shuffles overlap the next token's sums.
+                comptime for c in range(CHUNK):
+                    if c < count:
+                        var token = chunk_start + c
                         var readout_and_delta = slab_token[K, CHANNEL](
                             held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
                             query_scales[c], c * SLAB + staged_column + slot, lane,

@@ -48,6 +48,7 @@ from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
+from .fold_gpu import path_is_valid
 from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 from .grid_dependency import load_hint, prefetch_l2, release_next_grid, wait_for_previous_grid
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
@@ -481,13 +482,7 @@ def tree_is_valid[
         var parent = Int(parents[unsafe_offset=nodes_at + node])
         if parent < -1 or parent >= node:
             return False
-    var previous = -1
-    for t in range(accepted):
-        var node = Int(previous_nodes[unsafe_offset=nodes_at + t])
-        if node <= previous or node >= RING_LEN:
-            return False
-        previous = node
-    return True
+    return path_is_valid[RING_LEN](previous_nodes, nodes_at, accepted)
 
 
 @always_inline

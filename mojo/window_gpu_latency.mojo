@@ -33,10 +33,12 @@ arithmetic.
 With `TREE` (the tree verify, windows_gpu_latency_tree_kernel; the chain kernel is the
 same unit, latency_unit, with it off) the window's tokens are a token tree's nodes: the
 request's parents and previous path are checked before any load, the fold on load reads
-the previous accepted path's records from the ring, and a node whose parent is not the
-node before it reloads the committed state from the pool and folds its parent's root
-path in, root first (fold_root_path), before it steps as a chain token. The throughput
-kernel runs chains only.
+the previous accepted path's records from the ring, and the nodes that are some node's
+parent step in the window's order as chain tokens, each followed by its leaf children
+(step_leaves, leaf_token: stepped on its state, which they leave as it was). Such a node
+whose parent is not the last of them stepped reloads the committed state from the pool
+and folds its parent's root path in, root first (fold_root_path). The throughput kernel
+runs chains only.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
@@ -631,7 +633,8 @@ def leaf_token[
         k_squares = fma(k, k, k_squares)
         q_squares = fma(q, q, q_squares)
     var inv_k = Float32(1.0) / rounded_sqrt(lane_sum(k_squares) + L2_EPS)
-    var q_scale = (Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)) * query_scale[K]()
+    comptime scale = query_scale[K]()
+    var q_scale = (Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)) * scale
     # slab_token's step.
     var partial = Columns(0.0)
     comptime for m in range(ROWS):

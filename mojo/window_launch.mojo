@@ -401,23 +401,24 @@ def run_windows[
                 attributes=dependent_launch(dependent),
             )
             return
-        if uses_latency_kernel[GPU_PATH](latency_units, sms):
-            # One warp a unit: a request on one slab of a value head.
-            comptime warp_kernel = windows_gpu_latency_kernel[
-                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
-            ]
-            ctx.enqueue_function[warp_kernel](
-                operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
-                operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
-                operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
-                Int32(num_tokens),
-                Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
-                Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
-                grid_dim=latency_units,
-                block_dim=WARP_THREADS,
-                attributes=dependent_launch(dependent),
-            )
-            return
+        comptime if not TREE:  # a tree launched above; its builds never elaborate the chain kernels
+            if uses_latency_kernel[GPU_PATH](latency_units, sms):
+                # One warp a unit: a request on one slab of a value head.
+                comptime warp_kernel = windows_gpu_latency_kernel[
+                    state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
+                ]
+                ctx.enqueue_function[warp_kernel](
+                    operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
+                    operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
+                    operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
+                    Int32(num_tokens),
+                    Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
+                    Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
+                    grid_dim=latency_units,
+                    block_dim=WARP_THREADS,
+                    attributes=dependent_launch(dependent),
+                )
+                return
         # Neither a tree verify (it never reaches this branch) nor per-channel gates forced
         # onto the latency kernel compile the throughput kernel: at K = 256 its fold on
         # load with per-channel gates would not fit an SM's static shared memory, and the

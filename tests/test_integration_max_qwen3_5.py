@@ -394,6 +394,18 @@ def _plain_graph(dtype: DType, where: DeviceRef, routed: bool) -> tuple[Graph, o
     return graph, layer
 
 
+def _plain_step(model: Model, gpu: Any, up: list[Buffer], rows: np.ndarray, rng: np.random.Generator,
+                tokens: int, np_dtype: Any) -> tuple[np.ndarray, list[Buffer]]:
+    """One plain step of ``tokens`` tokens a request through the layer's graph on the GPU
+    (random inputs): the step's offsets and the graph's outputs."""
+    from gdfold_max.eager.base import host_buffer
+
+    offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
+    x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
+    return offsets, model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu),
+                                  Buffer.from_numpy(offsets).to(gpu))
+
+
 def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray, int]:
     """The plain steps through the layer on the GPU from one starting pool. Returns each
     step's layer output and the last pool; with ``routed``, checks every step's forward
@@ -407,11 +419,8 @@ def _run_plain(dtype: DType, routed: bool) -> tuple[list[np.ndarray], np.ndarray
     rows = np.arange(BATCH, dtype=np.uint32)
     outputs, checked = [], 0
     for tokens in PLAIN_STEPS:
-        offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
-        x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
         want_pool = pool.copy()
-        out, qkv, decay, beta, readout = model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu),
-                                                       Buffer.from_numpy(offsets).to(gpu))
+        offsets, (out, qkv, decay, beta, readout) = _plain_step(model, gpu, up, rows, rng, tokens, np_dtype)
         host = np.empty((BATCH * tokens, HIDDEN), np_dtype)
         copy_back(out, host)
         outputs.append(host)
@@ -440,9 +449,10 @@ def test_max_plain_steps_pool_on_the_device_and_read_back(dtype: DType, steps: t
     """MAX's layer under ``patched(forward=True)``, step after step, the reference pool
     carried on the host: each step's pool is read back at once and again after the
     device synchronizes, and the next step's readout (computed on the device from the
-    device's pool) is checked against the reference pool. So a pool that is right on the
-    device but read back stale is told apart from one the layer never wrote. Every fact
-    is gathered before the assertion, which names each."""
+    device's pool) is checked against the reference pool, and the pool is also read
+    through a view of the device buffer (copy_back views the host copy). So a pool that
+    is right on the device but read back stale is told apart from one the layer never
+    wrote. Every fact is gathered before the assertion, which names each."""
     from gdfold_max.eager.base import copy_back, host_buffer
 
     gpu, model, np_dtype, conv, pool = _load_on_gpu(dtype, *_plain_graph(dtype, DeviceRef.GPU(), True), seed=54)
@@ -452,11 +462,8 @@ def test_max_plain_steps_pool_on_the_device_and_read_back(dtype: DType, steps: t
     want_pool = pool.copy()
     facts = []
     for tokens in steps:
-        offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
-        x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
         before = want_pool.copy()
-        _, qkv, decay, beta, readout = model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu),
-                                                     Buffer.from_numpy(offsets).to(gpu))
+        offsets, (_, qkv, decay, beta, readout) = _plain_step(model, gpu, up, rows, rng, tokens, np_dtype)
         at_once = np.empty_like(pool)
         copy_back(up[1], at_once)
         want = reference.recurrence(qkv.to_numpy(), decay.to_numpy(), beta.to_numpy(), want_pool, rows, offsets,
@@ -464,12 +471,17 @@ def test_max_plain_steps_pool_on_the_device_and_read_back(dtype: DType, steps: t
         gpu.synchronize()
         synced = np.empty_like(pool)
         copy_back(up[1], synced)
+        # copy_back views the host copy as its bits; here the device buffer is viewed and
+        # the host copy read as it is.
+        bits_dtype = DType.uint16 if dtype == DType.bfloat16 else DType.uint32
+        device_view = up[1].view(bits_dtype).to(CPU()).to_numpy()
         facts.append({
             "tokens": tokens,
             "readout exact (from the device's pool)": bool(np.array_equal(bits(readout.to_numpy()), bits(want))),
             "pool read at once exact": bool(np.array_equal(bits(at_once), bits(want_pool))),
             "pool read at once as before the step": bool(np.array_equal(bits(at_once), bits(before))),
             "pool read after synchronize exact": bool(np.array_equal(bits(synced), bits(want_pool))),
+            "pool read through a device-side view exact": bool(np.array_equal(device_view, bits(want_pool))),
         })
     print(f"[{dtype.name}, steps {steps}] {facts}")
     assert all(all(value for key, value in fact.items() if key.endswith("exact")) for fact in facts), facts
@@ -488,10 +500,8 @@ def test_max_own_forward_moves_the_pool_on_every_plain_step(dtype: DType) -> Non
     rows = np.arange(BATCH, dtype=np.uint32)
     changed = []
     for tokens in (WINDOW, 1, 1):
-        offsets = np.arange(0, BATCH * tokens + 1, tokens, dtype=np.uint32)
-        x = rng.standard_normal((BATCH * tokens, HIDDEN)).astype(np_dtype)
         before = pool.copy()
-        model.execute(host_buffer(x).to(gpu), *up, Buffer.from_numpy(rows).to(gpu), Buffer.from_numpy(offsets).to(gpu))
+        _plain_step(model, gpu, up, rows, rng, tokens, np_dtype)
         copy_back(up[1], pool)
         changed.append((tokens, int(np.count_nonzero(bits(pool) != bits(before)))))
     print(f"[{dtype.name}] MAX's own forward, pool elements changed per step: {changed}")

@@ -38,7 +38,7 @@ GROUPS: dict[str, tuple[list[str], str]] = {
     # since with the layer tests beside it the group passed 465 s unfinished on an H100.
     "max-pipeline": (["test_integration_max_qwen3_5_pipeline.py"], "loadfile"),
     "max-decoding": (["test_integration_max_qwen3_5_decoding.py"], "loadfile"),
-    # Two tests of three `max serve` processes of the tiny checkpoint each, side by side.
+    # Two tests of three and four `max serve` processes of the tiny checkpoint, side by side.
     # Run it with nothing else on the GPU: each server sizes its KV cache from a tenth of
     # the GPU, and beside other groups MAX's own MTP server found too little
     # (bench/results/gpu-tests-max-serve-h100-2026-12-06.txt).

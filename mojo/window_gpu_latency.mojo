@@ -33,10 +33,12 @@ arithmetic.
 With `TREE` (the tree verify, windows_gpu_latency_tree_kernel; the chain kernel is the
 same unit, latency_unit, with it off) the window's tokens are a token tree's nodes: the
 request's parents and previous path are checked before any load, the fold on load reads
-the previous accepted path's records from the ring, and a node whose parent is not the
-node before it reloads the committed state from the pool and folds its parent's root
-path in, root first (fold_root_path), before it steps as a chain token. The throughput
-kernel runs chains only.
+the previous accepted path's records from the ring, and the nodes that are some node's
+parent step in the window's order as chain tokens, each followed by its leaf children
+(step_leaves, leaf_token: stepped on its state, which they leave as it was). Such a node
+whose parent is not the last of them stepped reloads the committed state from the pool
+and folds its parent's root path in, root first (fold_root_path). The throughput kernel
+runs chains only.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
@@ -48,6 +50,7 @@ from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
 from std.utils.numerics import nan
 
+from .fold_gpu import path_is_valid
 from .record_layout import channel_decay_offset, decay_offset, delta_offset, first_record_at, key_offset
 from .grid_dependency import load_hint, prefetch_l2, release_next_grid, wait_for_previous_grid
 from .recurrence_math import L2_EPS, REDUCTION_LANES, query_scale, rounded_sqrt
@@ -481,13 +484,7 @@ def tree_is_valid[
         var parent = Int(parents[unsafe_offset=nodes_at + node])
         if parent < -1 or parent >= node:
             return False
-    var previous = -1
-    for t in range(accepted):
-        var node = Int(previous_nodes[unsafe_offset=nodes_at + t])
-        if node <= previous or node >= RING_LEN:
-            return False
-        previous = node
-    return True
+    return path_is_valid[RING_LEN](previous_nodes, nodes_at, accepted)
 
 
 @always_inline
@@ -587,6 +584,133 @@ def fold_root_path[
             var k = qkv[unsafe_offset=k_at + m * REDUCTION_LANES + lane]
             # The fold's order: decay, rounded, then one fused step.
             held[m] = fma(SIMD[DType.float32, CV](k), u, held[m] * d[m])
+
+
+@always_inline
+def leaf_token[
+    ROWS: Int, CV: Int, //, K: Int, V: Int, CHANNEL: Bool
+](
+    held: Array[SIMD[DType.float32, CV], ROWS],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    t: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    column: Int,
+    lane: Int,
+) -> Tuple[Float32, Float32]:
+    """Token t (a leaf of a token tree: no node's state starts from its own) on the held
+    slab, its parent's state, which it leaves as it was: the readout o and the delta u of
+    this lane's column. Read from the window's inputs, not the staged chunk (a leaf is
+    stepped while its parent's state is held, out of the window's order), with the
+    arithmetic of chunk_norms and slab_token term for term: the same floats in the same
+    order, so the same bits. The decayed and updated state is summed into the readout
+    instead of stored (each decayed element computed twice: a product, the same bits)."""
+    comptime Columns = SIMD[DType.float32, CV]
+    var qkv_width = 2 * num_key_heads * K + num_value_heads * V
+    var q_at = t * qkv_width + key_head * K + lane
+    var k_at = t * qkv_width + (num_key_heads + key_head) * K + lane
+    var d_at = t * num_value_heads + value_head
+
+    # The row's decay and the key and query elements are read again where each pass uses
+    # them (L1 holds them): held as arrays across the passes they spilled.
+    @always_inline
+    def row_decay(m: Int) {imm} -> Float32:
+        comptime if CHANNEL:
+            return decay[unsafe_offset=d_at * K + m * REDUCTION_LANES + lane]
+        else:
+            return decay[unsafe_offset=d_at]
+
+    # chunk_norms' norms.
+    var k_squares = Float32(0.0)
+    var q_squares = Float32(0.0)
+    comptime for m in range(ROWS):
+        var k = qkv[unsafe_offset=k_at + m * REDUCTION_LANES]
+        var q = qkv[unsafe_offset=q_at + m * REDUCTION_LANES]
+        k_squares = fma(k, k, k_squares)
+        q_squares = fma(q, q, q_squares)
+    var inv_k = Float32(1.0) / rounded_sqrt(lane_sum(k_squares) + L2_EPS)
+    comptime scale = query_scale[K]()
+    var q_scale = (Float32(1.0) / rounded_sqrt(lane_sum(q_squares) + L2_EPS)) * scale
+    # slab_token's step.
+    var partial = Columns(0.0)
+    comptime for m in range(ROWS):
+        partial = fma(held[m] * row_decay(m), Columns(qkv[unsafe_offset=k_at + m * REDUCTION_LANES]), partial)
+    var kv = slab_column_sum[CV](partial, lane)
+    var v = qkv[unsafe_offset=t * qkv_width + 2 * num_key_heads * K + value_head * V + column
+        + slab_slot[CV](lane)]
+    var u = (beta[unsafe_offset=d_at] * fma(-kv, inv_k, v)) * inv_k
+    var u_columns = slab_gather[CV](u, lane)
+    var out = Columns(0.0)
+    comptime for m in range(ROWS):
+        var k = qkv[unsafe_offset=k_at + m * REDUCTION_LANES]
+        var q = qkv[unsafe_offset=q_at + m * REDUCTION_LANES]
+        out = fma(fma(Columns(k), u_columns, held[m] * row_decay(m)), Columns(q * q_scale), out)
+    return (slab_column_sum[CV](out, lane), u)
+
+
+@always_inline
+def tree_inner_nodes(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, window: Int) -> Int:
+    """The bit set of the tree's nodes that are some node's parent (checked parents:
+    -1 or an earlier node). Every lane reads the same."""
+    var inner = 0
+    for node in range(window):
+        var parent = Int(parents[unsafe_offset=nodes_at + node])
+        if parent >= 0:
+            inner |= 1 << parent
+    return inner
+
+
+@always_inline
+def step_leaves[
+    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool
+](
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    held: Array[SIMD[DType.float32, CV], ROWS],
+    inner: Int,
+    parent: Int,
+    request: Int,
+    start: Int,
+    window: Int,
+    record_row_base: Int,
+    record_stride: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    group_slot: Int,
+    column: Int,
+    lane: Int,
+    writes_column: Bool,
+    records: Bool,
+):
+    """Steps the leaves (nodes outside `inner`) whose parent is `parent` (-1: the
+    committed state) on the held state, `parent`'s, which they leave as it was
+    (leaf_token): each one's readout, and its delta columns into its record."""
+    var slot = slab_slot[CV](lane)
+    for node in range(parent + 1, window):
+        if (inner >> node) & 1 != 0:
+            continue
+        if Int(parents[unsafe_offset=request * RING_LEN + node]) != parent:
+            continue
+        var leaf = leaf_token[K, V, CHANNEL](
+            held, qkv, decay, beta, start + node, num_key_heads, key_head, num_value_heads,
+            value_head, column, lane,
+        )
+        if writes_column:
+            readout[unsafe_offset=(start + node) * num_value_heads * V + value_head * V + column
+                + slot] = leaf[0]
+            if records:
+                ring[unsafe_offset=(record_row_base + node) * record_stride
+                    + delta_offset[K, V](group_slot) + column + slot] = leaf[1]
 
 
 @always_inline
@@ -867,6 +991,20 @@ def latency_unit[
                 if not commit:
                     store_state()
 
+        # A tree's nodes that are some node's parent are stepped in the window's order,
+        # each from the state `held` holds (last_stepped's); its leaves are stepped with
+        # their parent, its state held (step_leaves), and leave it as it was.
+        var inner = 0
+        var last_stepped = -1
+        comptime if TREE:
+            inner = tree_inner_nodes(parents, request * RING_LEN, end - start)
+            # The leaves whose parent is the committed state.
+            step_leaves[K, V, RING_LEN, CHANNEL](
+                readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
+                end - start, record_row_base, record_stride, num_key_heads, key_head,
+                num_value_heads, value_head, group_slot, column, lane, writes_column, records,
+            )
+
         # 3. The window, a chunk of tokens at a time.
         for chunk_start in range(start, end, CHUNK):
             var count = min(CHUNK, end - chunk_start)
@@ -878,47 +1016,74 @@ def latency_unit[
                 syncwarp()
             if staging or chunk_start > start:
                 chunk_norms[K](pairs, count, lane, inverse_key_norms, query_scales)
-            # Unrolled, so that a token's readout shuffles overlap the next token's sums.
-            comptime for c in range(CHUNK):
-                if c < count:
+            comptime if TREE:
+                # Not unrolled: a node's leaves step between it and the next.
+                for c in range(count):
                     var token = chunk_start + c
-                    comptime if TREE:
-                        var node = token - start
-                        var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
-                        # `held` holds node - 1's state (the committed state before node
-                        # 0); a node whose parent is another starts from the committed
-                        # state with its parent's root path folded in. The parent is the
-                        # warp's (every lane read it), so the warp branches as one.
-                        if parent != node - 1:
-                            # The committed state: the pool, which a verify never writes
-                            # but for a fold on load's result, stored above by this very
-                            # thread (the same addresses: program order).
-                            comptime for m in range(ROWS):
-                                held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
-                                    m * REDUCTION_LANES * V
-                                ).cast[DType.float32]()
-                            # The root path's delta columns of this thread were stored
-                            # to the ring by other lanes of this warp (the lanes that
-                            # write each column): their stores must be visible to this
-                            # lane's loads.
-                            warp_ring_visible()
-                            fold_root_path[K, V, RING_LEN, CHANNEL](
-                                held, ring, qkv, decay, parents, request, parent,
-                                record_row_base * record_stride, record_stride, start,
-                                num_key_heads, key_head, num_value_heads, value_head,
-                                group_slot, column, lane,
-                            )
-                    var readout_and_delta = slab_token[K, CHANNEL](
-                        held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
-                        query_scales[c], c * SLAB + staged_column + slot, lane,
-                    )
-                    var o = readout_and_delta[0]
-                    var u = readout_and_delta[1]
-                    if writes_column:
-                        readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
-                        if records:
-                            ring[unsafe_offset=(record_row_base + token - start) * record_stride
-                                + delta_offset[K, V](group_slot) + column + slot] = u
+                    var node = token - start
+                    # A leaf stepped with its parent (step_leaves).
+                    var steps = (inner >> node) & 1 != 0
+                    var parent = Int(parents[unsafe_offset=request * RING_LEN + node])
+                    # `held` holds last_stepped's state (the committed state before
+                    # the first); a node whose parent is another starts from the
+                    # committed state with its parent's root path folded in. The
+                    # parent is the warp's (every lane read it), so the warp branches
+                    # as one.
+                    if steps and parent != last_stepped:
+                        # The committed state: the pool, which a verify never writes
+                        # but for a fold on load's result, stored above by this very
+                        # thread (the same addresses: program order).
+                        comptime for m in range(ROWS):
+                            held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
+                                m * REDUCTION_LANES * V
+                            ).cast[DType.float32]()
+                        # The root path's delta columns of this thread were stored
+                        # to the ring by other lanes of this warp (the lanes that
+                        # write each column): their stores must be visible to this
+                        # lane's loads.
+                        warp_ring_visible()
+                        fold_root_path[K, V, RING_LEN, CHANNEL](
+                            held, ring, qkv, decay, parents, request, parent,
+                            record_row_base * record_stride, record_stride, start,
+                            num_key_heads, key_head, num_value_heads, value_head,
+                            group_slot, column, lane,
+                        )
+                    # The chain's step below, under `steps` (written twice: with the
+                    # chain's inside this branch, its kernels compiled to other PTX).
+                    if steps:
+                        var tree_step = slab_token[K, CHANNEL](
+                            held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
+                            query_scales[c], c * SLAB + staged_column + slot, lane,
+                        )
+                        if writes_column:
+                            readout[unsafe_offset=token * readout_width + value_head * V + column
+                                + slot] = tree_step[0]
+                            if records:
+                                ring[unsafe_offset=(record_row_base + node) * record_stride
+                                    + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
+                        last_stepped = node
+                        step_leaves[K, V, RING_LEN, CHANNEL](
+                            readout, ring, qkv, decay, beta, parents, held, inner, node,
+                            request, start, end - start, record_row_base, record_stride,
+                            num_key_heads, key_head, num_value_heads, value_head,
+                            group_slot, column, lane, writes_column, records,
+                        )
+            else:
+                # Unrolled, so that a token's readout shuffles overlap the next token's sums.
+                comptime for c in range(CHUNK):
+                    if c < count:
+                        var token = chunk_start + c
+                        var readout_and_delta = slab_token[K, CHANNEL](
+                            held, pairs, values, scalars, token_decays, c, inverse_key_norms[c],
+                            query_scales[c], c * SLAB + staged_column + slot, lane,
+                        )
+                        var o = readout_and_delta[0]
+                        var u = readout_and_delta[1]
+                        if writes_column:
+                            readout[unsafe_offset=token * readout_width + value_head * V + column + slot] = o
+                            if records:
+                                ring[unsafe_offset=(record_row_base + token - start) * record_stride
+                                    + delta_offset[K, V](group_slot) + column + slot] = u
             comptime if RECORD:
                 if records and slab == 0:
                     write_chunk_records[K, V, CHANNEL](

@@ -375,52 +375,50 @@ def run_windows[
         windows_cpu[K, V, RING_LEN, RECORD, FOLD_PREVIOUS, CHANNEL, TREE](
             operands, num_value_heads, num_key_heads, record_stride
         )
-    elif target == "gpu" and TREE:
-        # A tree verify runs on the latency kernel whatever GPU_PATH says (the throughput
-        # kernel is chain-only). Its parents and previous paths are device memory: the
-        # kernel checks them before any load and skips a request whose tables are bad.
-        var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
-        comptime LATENCY_CV = latency_column_vector[K, V]()
-        var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        comptime tree_kernel = windows_gpu_latency_tree_kernel[
-            state_dtype, K, V, RING_LEN, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
-        ]
-        var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
-        ctx.enqueue_function[tree_kernel](
-            operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
-            operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
-            operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
-            Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
-            Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
-            operands.parents, operands.previous_nodes,
-            grid_dim=latency_units,
-            block_dim=WARP_THREADS,
-            attributes=dependent_launch(dependent),
-        )
     elif target == "gpu":
         # The SMs, read once: they size the grid and pick the kernel and the launch.
         var sms = ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT)
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
-        var latency = uses_latency_kernel[GPU_PATH](latency_units, sms)
-        if latency:
-            # One warp a unit: a request on one slab of a value head.
-            comptime warp_kernel = windows_gpu_latency_kernel[
-                state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
+        var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
+        comptime if TREE:
+            # A tree verify runs on the latency kernel whatever GPU_PATH says (the
+            # throughput kernel is chain-only). Its parents and previous paths are device
+            # memory: the kernel checks them before any load and skips a request whose
+            # tables are bad.
+            comptime tree_kernel = windows_gpu_latency_tree_kernel[
+                state_dtype, K, V, RING_LEN, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
             ]
-            var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
-            ctx.enqueue_function[warp_kernel](
+            ctx.enqueue_function[tree_kernel](
                 operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
                 operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
                 operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
-                Int32(num_tokens),
-                Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
+                Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
                 Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
+                operands.parents, operands.previous_nodes,
                 grid_dim=latency_units,
                 block_dim=WARP_THREADS,
                 attributes=dependent_launch(dependent),
             )
             return
+        comptime if not TREE:  # a tree launched above; its builds never elaborate the chain kernels
+            if uses_latency_kernel[GPU_PATH](latency_units, sms):
+                # One warp a unit: a request on one slab of a value head.
+                comptime warp_kernel = windows_gpu_latency_kernel[
+                    state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
+                ]
+                ctx.enqueue_function[warp_kernel](
+                    operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
+                    operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
+                    operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
+                    Int32(num_tokens),
+                    Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
+                    Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
+                    grid_dim=latency_units,
+                    block_dim=WARP_THREADS,
+                    attributes=dependent_launch(dependent),
+                )
+                return
         # Neither a tree verify (it never reaches this branch) nor per-channel gates forced
         # onto the latency kernel compile the throughput kernel: at K = 256 its fold on
         # load with per-channel gates would not fit an SM's static shared memory, and the
@@ -475,7 +473,7 @@ def run_windows[
                     )
             # A launch of at most one block per SM may start while the kernel before it ends
             # (with claims the counter's zeroing would come between them anyway).
-            var dependent = not claims and blocks <= sms * DEPENDENT_BLOCKS_PER_SM
+            dependent = not claims and blocks <= sms * DEPENDENT_BLOCKS_PER_SM
             ctx.enqueue_function[kernel](
                 operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
                 operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,

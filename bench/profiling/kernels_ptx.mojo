@@ -4,7 +4,8 @@ chain and, last, along a token tree's accepted path), the latency kernel (verify
 with fold on load and forward; head and per-channel gates; four columns a thread, and
 two), the throughput kernel (each op; head and per-channel gates) and, last, the latency
 kernel's tree verify (with and without fold on load; head and per-channel gates; four
-columns a thread, and two with head gates), in fp32 and bf16 pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+columns a thread, and two with head gates), in fp32 and bf16 pools; then the fold at K = V =
+256 and the tree verify with fold on load at RING_LEN 32 (32-node trees). same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.

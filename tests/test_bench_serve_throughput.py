@@ -60,6 +60,19 @@ def test_each_route_serves_the_same_checkpoint_and_flags(bench: dict) -> None:
         bench["serve_command"]("max", "float16", folder, 9000, args)
 
 
+def test_servers_started_together_share_the_memory_asked_for(bench: dict) -> None:
+    """Side by side every server sizes its KV cache from the whole GPU's free memory, so
+    each is given its share of --memory; one at a time each has it all."""
+    folder = Path("/ckpt")
+    alone = bench["parse_args"](["--memory", "0.6"])
+    together = bench["parse_args"](["--memory", "0.6", "--start-together"])
+    shared = bench["parse_args"](["--memory", "0.6", "--start-together", "--routes", "max", "fused",
+                                  "--pools", "bfloat16"])
+    for args, utilization in ((alone, "0.6"), (together, "0.1"), (shared, "0.3")):
+        argv, _ = bench["serve_command"]("fused", "bfloat16", folder, 9000, args)
+        assert argv[argv.index("--device-memory-utilization") + 1] == utilization
+
+
 def fake(route: str, pool: str, concurrency: int, tokens_per_s: float) -> dict:
     return {"route": route, "pool": pool, "concurrency": concurrency, "requests": 4 * concurrency,
             "output_tokens": 1000, "seconds": 1000 / tokens_per_s, "tokens_per_s": tokens_per_s}

@@ -634,6 +634,9 @@ PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50
            [17, 18, 19, 20, 21, 22], [99, 98, 97, 96, 95], [5], [61, 62], [210, 3, 77], [8, 8, 8, 8],
            [123, 45], [6, 28, 496]]
 NEW_TOKENS = 12
+#: Each prompt's max_tokens: 12, 9, 6 and 3 in turn, so that with 12 prompts on batches of 8
+#: requests leave at different steps and the waiting ones arrive mid-batch.
+LENGTHS = [NEW_TOKENS - 3 * (i % 4) for i in range(len(PROMPTS))]
 READY_S = 1500.0
 
 
@@ -701,15 +704,15 @@ def test_a_server_is_waited_for_and_stopped(tmp_path: Path) -> None:
             asyncio.run(wait_ready(f"http://127.0.0.1:{free_port()}", proc, tmp_path / "dead.log", 60))
 
 
-async def completion_ids(client: Any, url: str, prompt: list[int]) -> list[int]:
+async def completion_ids(client: Any, url: str, prompt: list[int], new_tokens: int) -> list[int]:
     reply = await client.post(url + "/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+        "model": "tiny", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert reply.status_code == 200, reply.text
     choice = reply.json()["choices"][0]
     ids = choice.get("token_ids")
     assert ids is not None, f"no token_ids in {choice}"
-    return [int(t) for t in ids][-NEW_TOKENS:]
+    return [int(t) for t in ids][-new_tokens:]
 
 
 async def cancel_a_stream(client: Any, url: str) -> int:
@@ -728,8 +731,8 @@ async def cancel_a_stream(client: Any, url: str) -> int:
 
 
 async def exercise(server: dict) -> dict:
-    """A wave of concurrent completions, a chat completion and a cancelled stream side
-    by side, then the same wave again."""
+    """A wave of concurrent completions of several lengths, a chat completion and a
+    cancelled stream side by side, then the same wave again."""
     import httpx
 
     url = server["url"]
@@ -737,9 +740,11 @@ async def exercise(server: dict) -> dict:
         chat = client.post(url + "/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 8,
             "temperature": 0})
-        first, chat_reply, chunks = await asyncio.gather(
-            asyncio.gather(*(completion_ids(client, url, p) for p in PROMPTS)), chat, cancel_a_stream(client, url))
-        second = await asyncio.gather(*(completion_ids(client, url, p) for p in PROMPTS))
+        def wave() -> Any:
+            return asyncio.gather(*(completion_ids(client, url, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)))
+
+        first, chat_reply, chunks = await asyncio.gather(wave(), chat, cancel_a_stream(client, url))
+        second = await wave()
         healthy = (await client.get(url + "/health")).status_code
     assert chat_reply.status_code == 200, chat_reply.text
     message = chat_reply.json()["choices"][0]["message"]
@@ -801,7 +806,7 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
     print(json.dumps({name: r["first"] for name, r in results.items()}, indent=None))
     for name, r in results.items():
         assert r["chunks"] == 2 and r["healthy"] == 200, name
-        assert all(len(ids) == NEW_TOKENS for ids in r["first"]), name
+        assert [len(ids) for ids in r["first"]] == LENGTHS, name
         assert r["second"] == r["first"], f"{name}: the second wave differs"
     return results
 

@@ -6,7 +6,8 @@ Writes a random-weight Qwen3.5-with-MTP checkpoint with Qwen3-Next-80B's Gated D
 shapes (nv 32, nk 16, K = V = 128, hidden 2048; three Gated DeltaNet layers and one
 full-attention layer, a small MLP and vocabulary, so it builds quickly) with the writer of
 ``examples/max_qwen3_5_pipeline.py``, then serves it once per route and pool, one server
-at a time, each timed alone:
+at a time, each timed alone (with ``--start-together`` every server starts at once, so
+their graphs compile side by side, and each is timed alone while the others idle):
 
 * ``max``: ``max serve --speculative-method mtp`` (MAX's ``unified_mtp_qwen3_5``);
 * ``fold``: the same with ``--custom-architectures gdfold_max.integrations.max_qwen3_5_serve``
@@ -82,6 +83,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="JSON output (default: serve-throughput-DATE.json here)")
     parser.add_argument("--ready-s", type=float, default=1800.0, help="how long a server may take to start")
     parser.add_argument("--print-commands", action="store_true", help="print the server commands and stop")
+    parser.add_argument("--start-together", action="store_true",
+                        help="start every server at once (their graphs compile side by side on the host's cores),"
+                             " each with --memory shared out among them, then time them one at a time while the"
+                             " others idle")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1:
         parser.error("--concurrency, --waves, --prompt-len and --output-len must be positive")
@@ -100,6 +105,14 @@ def max_length(args: argparse.Namespace) -> int:
     return -(-needed // 256) * 256
 
 
+def server_memory(args: argparse.Namespace) -> float:
+    """Each server's ``--device-memory-utilization``: ``--memory``, or with
+    ``--start-together`` its share among the servers (each sizes its KV cache from the free
+    memory it sees when it starts, and side by side they all see the whole GPU)."""
+    servers = len(args.routes) * len(args.pools) if args.start_together else 1
+    return round(args.memory / servers, 3)
+
+
 def serve_command(route: str, pool: str, folder: Path, port: int, args: argparse.Namespace,
                   environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``max serve`` command line and environment of one server."""
@@ -108,7 +121,7 @@ def serve_command(route: str, pool: str, folder: Path, port: int, args: argparse
     argv = [max_executable(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
             "--quantization-encoding", "bfloat16", "--state-pool-dtype", pool,
             "--max-length", str(max_length(args)),
-            "--max-batch-size", str(max(args.concurrency)), "--device-memory-utilization", str(args.memory),
+            "--max-batch-size", str(max(args.concurrency)), "--device-memory-utilization", str(server_memory(args)),
             "--no-device-graph-capture", "--speculative-method", "mtp", "--num-speculative-tokens", str(args.drafts),
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
     env = dict(os.environ if environ is None else environ)
@@ -233,6 +246,43 @@ async def measure_server(url: str, args: argparse.Namespace, vocab: int) -> list
     return out
 
 
+def serve_together_and_measure(folder: Path, copies: Path, logs: Path, args: argparse.Namespace,
+                               vocab: int) -> list[dict[str, Any]]:
+    """Every route and pool's server started at once, each from its own copy of the
+    checkpoint under ``copies`` (MAX caches a checkpoint's config per folder), awaited
+    together, then timed one at a time while the others idle."""
+    import contextlib
+    import shutil
+
+    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
+
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for pool in args.pools:
+            for route in args.routes:
+                copy = copies / f"{folder.name}-{route}-{pool}"
+                if not copy.exists():
+                    shutil.copytree(folder, copy)
+                port = free_port()
+                while any(url.endswith(f":{port}") for _, _, url, _, _ in servers):
+                    port = free_port()
+                argv, env = serve_command(route, pool, copy, port, args)
+                log = logs / f"{route}-{pool}.log"
+                proc = stack.enter_context(running(argv, env, log))
+                servers.append((route, pool, f"http://127.0.0.1:{port}", proc, log))
+        started = time.perf_counter()
+
+        async def all_ready() -> None:
+            await asyncio.gather(*(wait_ready(url, proc, log, args.ready_s) for _, _, url, proc, log in servers))
+
+        asyncio.run(all_ready())
+        print(f"{len(servers)} servers ready together in {time.perf_counter() - started:.0f} s", flush=True)
+        results: list[dict[str, Any]] = []
+        for route, pool, url, _, _ in servers:
+            results += [{"route": route, "pool": pool, **m} for m in asyncio.run(measure_server(url, args, vocab))]
+    return results
+
+
 def serve_and_measure(route: str, pool: str, folder: Path, logs: Path, args: argparse.Namespace,
                       vocab: int) -> list[dict[str, Any]]:
     from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
@@ -272,9 +322,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                       date, commit())
         print(head, flush=True)
         results: list[dict[str, Any]] = []
-        for pool in args.pools:
-            for route in args.routes:
-                results += serve_and_measure(route, pool, folder, logs, args, vocab)
+        if args.start_together:
+            results = serve_together_and_measure(folder, Path(scratch), logs, args, vocab)
+        else:
+            for pool in args.pools:
+                for route in args.routes:
+                    results += serve_and_measure(route, pool, folder, logs, args, vocab)
     from rich.console import Console
 
     print(head)

@@ -126,12 +126,17 @@ def host_buffer(array: np.ndarray) -> Buffer:
 
 
 def copy_back(buffer: Buffer, array: np.ndarray) -> None:
-    """Copies a device Buffer's contents into the numpy array it was uploaded from."""
-    host = buffer.to(CPU())
+    """Copies a device Buffer's contents into the numpy array it was uploaded from.
+
+    A bf16 buffer is viewed as its uint16 bits where it lives, before the copy, so that the
+    host reads the buffer the copy returned, whose reads MAX orders after the copy, never a
+    view of it: in a bf16 MAX layer test on an H100 a pool read through a view of its host
+    copy came back as it was before the step
+    (bench/results/plain-step-bf16-probe-h100-2026-12-06.txt)."""
     if array.dtype == np.dtype(ml_dtypes.bfloat16):
-        np.copyto(array.view(np.uint16), host.view(DType.uint16).to_numpy())
+        np.copyto(array.view(np.uint16), buffer.view(DType.uint16).to(CPU()).to_numpy())
     else:
-        np.copyto(array, host.to_numpy())
+        np.copyto(array, buffer.to(CPU()).to_numpy())
 
 
 def state_dtype_named(name: str, value: DType | str) -> DType:

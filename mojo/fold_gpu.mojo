@@ -199,6 +199,10 @@ def fold_block[
     ]()
     # One decay per record, or (per-channel gates) the tile's KEY_DIM_TILE of them.
     comptime DECAYS = KEY_DIM_TILE if CHANNEL else 1
+    # ops/fold.py's fold_tiling picks a tile that fits (fold_shared_bytes).
+    comptime assert (
+        4 * RING_LEN * (KEY_DIM_TILE + V + DECAYS) <= 48 * 1024
+    ), "the fold's staged records pass 48 KiB of static shared memory: lower KEY_DIM_TILE"
     # (Staged by 16-byte vectors in the per-channel case only.)
     var decays = stack_allocation[
         RING_LEN * DECAYS,

@@ -8,7 +8,7 @@ from .record_layout import RECORD_VEC, channel_record_elements, record_elements
 def check_head_dims[K: Int, V: Int, RING_LEN: Int]():
     comptime assert K % 8 == 0 and 8 <= K <= 256, "K must be a multiple of 8 up to 256"
     comptime assert V % 8 == 0 and 8 <= V <= 256, "V must be a multiple of 8 up to 256"
-    comptime assert 1 <= RING_LEN <= 16, "RING_LEN must be in 1..16"
+    comptime assert 1 <= RING_LEN <= 32, "RING_LEN must be in 1..32"
 
 
 def check_pool[K: Int, V: Int](state_dims: IndexList[4]) raises:

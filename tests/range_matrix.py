@@ -1,6 +1,6 @@
 """The supported range, for the range tests (test_range_fold.py, test_range_verify.py,
 test_range_forward.py): a covering set of static shapes (``RANGE``), K and V from 8 to 256
-(equal and unequal, odd multiples of 8 among them), RING_LEN 1, 2, middle values and 16,
+(equal and unequal, odd multiples of 8 among them), RING_LEN 1, 2, middle values, 16 and 32,
 G = 1, 2 and 3, fp32 and bf16 pools, head and per-channel gates; the cases each point runs;
 and ``run_many``, which compiles one graph holding one op of every point.
 
@@ -86,6 +86,10 @@ RANGE: list[Point] = [
     *points(72, 136, 5, (1, 2, 3), "bfloat16"),
     *points(256, 128, 16, (3, 1, 2), "float32"),
     *points(256, 256, 4, (2, 3, 1), "bfloat16"),
+    # The longest ring at the largest heads: in bf16 (head and per-channel gates) the
+    # fold's default tile halves to fit its staged records in 48 KiB (ops/fold.py
+    # fold_tiling); the fp32 tile fits as it is.
+    *points(256, 256, 32, (1, 2, 3), "bfloat16"),
 ]
 
 #: On the CPU one point of each shape, the dtype and gate rotating: no CPU loop is sized by

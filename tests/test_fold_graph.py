@@ -101,6 +101,17 @@ def test_fold_blocks_past_1024_threads_are_refused_at_build(state_dtype: DType, 
                rows_per_thread=rows_per_thread)
 
 
+def test_a_named_tile_whose_records_pass_48_kib_is_refused_at_build() -> None:
+    """At RING_LEN 32 and K = V = 256 a bf16 block of 128 key rows would stage 49,280 bytes
+    of records in shared memory (the GPU's static limit is 49,152): refused, naming the tile.
+    The default tile halves to fit, and the graph builds."""
+    ring = (8, 2, 32, 772)  # stride: K + G * (V + 1) = 770, padded to 4 floats
+    with pytest.raises(ValueError, match=r"key_dim_tile: 128 stages 49280 bytes of records in a GPU block"
+                                         r" \(RING_LEN 32, V=256, head gates\); at most 49152: lower key_dim_tile"):
+        _build(state=(8, 4, 256, 256), state_dtype=DType.bfloat16, ring=ring, key_dim_tile=128, rows_per_thread=16)
+    assert FOLD_OP_NAME in str(_build(state=(8, 4, 256, 256), state_dtype=DType.bfloat16, ring=ring))
+
+
 def test_fold_blocks_of_1024_threads_build() -> None:
     """(128, 4) on an fp32 pool of V = 128: 32 column threads x 32 row threads, the most a block holds."""
     assert FOLD_OP_NAME in str(_build(state=(8, 4, 128, 128), ring=(8, 2, 4, 416), key_dim_tile=128,

@@ -93,8 +93,8 @@ BAD_INPUTS = {
         lambda: _with(recurrent_state=lambda ops: np.zeros((4, 4, 64, 264), np.float32)), ValueError,
         r"recurrent_state: V: 264 is unsupported \(a multiple of 8 up to 256\)"),
     "RING_LEN unsupported": (
-        lambda: _with(ring=lambda ops: np.zeros((4, 2, 17, 224), np.float32)), ValueError,
-        r"ring: RING_LEN 17 is unsupported \(1..16\)"),
+        lambda: _with(ring=lambda ops: np.zeros((4, 2, 33, 224), np.float32)), ValueError,
+        r"ring: RING_LEN 33 is unsupported \(1..32\)"),
     "state dtype float16": (
         lambda: _with(recurrent_state=lambda ops: ops["recurrent_state"].astype(np.float16)), ValueError,
         r"recurrent_state: dtype DType.float16 is unsupported \(float32 or bfloat16\)"),

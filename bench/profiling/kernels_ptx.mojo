@@ -4,7 +4,8 @@ chain and, last, along a token tree's accepted path), the latency kernel (verify
 with fold on load and forward; head and per-channel gates; four columns a thread, and
 two), the throughput kernel (each op; head and per-channel gates) and, last, the latency
 kernel's tree verify (with and without fold on load; head and per-channel gates; four
-columns a thread, and two with head gates), in fp32 and bf16 pools. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+columns a thread, and two with head gates), in fp32 and bf16 pools; then the fold at K = V =
+256 and the tree verify with fold on load at RING_LEN 32 (32-node trees). same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
@@ -28,6 +29,21 @@ def fold[dtype: DType, tile: Int, rows: Int, channel: Bool]():
 def fold_path[dtype: DType, tile: Int, rows: Int, channel: Bool]():
     print("// kernel: fold along a path,", dtype, "tile", tile, "x", rows, "channel" if channel else "head")
     print(_compile_code[fold_path_gpu_kernel[dtype, 128, 128, 4, tile, rows, channel], target=get_gpu_target["sm_90a"]()]().asm)
+
+
+def fold_ring32[dtype: DType, tile: Int, rows: Int, channel: Bool]():
+    """The fold at the longest ring and head dims, K = V = 256 and RING_LEN 32, at the tile
+    ops/fold.py's fold_tiling picks there (its staged records fit 48 KiB)."""
+    print("// kernel: fold, K = V = 256, RING_LEN 32,", dtype, "tile", tile, "x", rows, "channel" if channel else "head")
+    print(_compile_code[fold_gpu_kernel[dtype, 256, 256, 32, tile, rows, channel], target=get_gpu_target["sm_90a"]()]().asm)
+
+
+def latency_tree_ring32[dtype: DType, channel: Bool]():
+    print("// kernel: latency tree, RING_LEN 32,", dtype, "fold on load 4 columns,", "channel" if channel else "head")
+    print(_compile_code[
+        windows_gpu_latency_tree_kernel[dtype, 128, 128, 32, True, 4, channel],
+        target=get_gpu_target["sm_90a"](),
+    ]().asm)
 
 
 def latency[dtype: DType, record: Bool, fold_previous: Bool, cv: Int, channel: Bool]():
@@ -97,3 +113,11 @@ def main():
             latency_tree[dtype, fold_previous == 1, 4, False]()
             latency_tree[dtype, fold_previous == 1, 4, True]()
             latency_tree[dtype, fold_previous == 1, 2, False]()
+    # RING_LEN 32 (32-node trees), last.
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime rows = 8 if d == 0 else 16
+        fold_ring32[dtype, 64, rows, False]()
+        fold_ring32[dtype, 64, rows, True]()
+        latency_tree_ring32[dtype, False]()
+        latency_tree_ring32[dtype, True]()

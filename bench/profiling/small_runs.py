@@ -1,6 +1,6 @@
 """Small eager runs of every GPU kernel path, each checked bit for bit against the numpy
-reference: the fold (fp32 and bf16 pools, and heads as small as K = V = 8 with 16
-records), the fold along a token tree's accepted paths, the verify, the verify with fold
+reference: the fold (fp32 and bf16 pools, heads as small as K = V = 8 with 16 records,
+and K = V = 256 with 32), the fold along a token tree's accepted paths, the verify, the verify with fold
 on load and the forward (fp32 and bf16 pools, a ragged batch with a window past RING_LEN
 and an empty one), on the two GPU window kernels (the latency and throughput kernels,
 each forced), the throughput kernel with claimed units (more units than resident blocks
@@ -8,9 +8,9 @@ at a narrow column tile), and per-channel gates (the fold, and the verify, fold 
 and forward on each window kernel). Then what only a graph reaches (the eager API refuses
 bad ids on the host): ids past the pool or the ring in GPU graphs of every op and kernel
 (``skips``), and two requests on one row, which race by contract (``shared-row``:
-memcheck only). ``tree``: the tree verify on the latency kernel (random forests, fp32
-and bf16 pools, head and per-channel gates, with and without fold on load of a previous
-path, eagerly; then in GPU graphs, requests with bad parents or a bad previous path
+memcheck only). ``tree``: the tree verify on the latency kernel (random forests of up to
+4 and 32 nodes, fp32 and bf16 pools, head and per-channel gates, with and without fold on
+load of a previous path, eagerly; then in GPU graphs, requests with bad parents or a bad previous path
 skipped). Small enough to run under compute-sanitizer (sanitize.sh), which runs the
 groups side by side:
 
@@ -20,6 +20,7 @@ groups side by side:
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -48,6 +49,9 @@ FOLD_CASES: list[tuple[int, dict[str, int], list[int], str]] = [
     (1, {}, [0, 1, 4, 5], ""),
     *((2, {"key_dim": k, "value_dim": k, "ring_len": 16}, [16, 15, 1, 16], f"K = V = {k}, RING_LEN 16, ")
       for k in (8, 40)),
+    # The longest ring at the largest heads: a tile whose staged records fill 48 KiB of
+    # shared memory with per-channel gates (ops/fold.py fold_tiling).
+    (3, {"key_dim": 256, "value_dim": 256, "ring_len": 32}, [32, 31, 1, 32], "K = V = 256, RING_LEN 32, "),
 ]
 
 
@@ -195,8 +199,9 @@ def run_skips() -> None:
                       (want_out, want_pool, window.ring), window, 1)
 
 
-#: The tree group's windows (RING_LEN 4): full ones, an empty one, a single node.
-TREE_WINDOWS = [4, 0, 1, 4, 3]
+#: The tree group's windows: (RING_LEN, windows), full ones, an empty one, a single node;
+#: at RING_LEN 32, 32-node trees.
+TREE_WINDOWS = [(4, [4, 0, 1, 4, 3]), (32, [32, 0, 1, 32, 17])]
 
 
 def run_trees() -> None:
@@ -204,33 +209,35 @@ def run_trees() -> None:
     eagerly, bit for bit against the reference; then GPU graphs whose request 0 has a
     node that names itself as parent and, with fold on load, whose request 3 has a
     previous path out of order: those requests are skipped, the others exact."""
-    windows, ring_len = TREE_WINDOWS, 4
-    batch = len(windows)
     runner = runner_for("gpu")
-    for gate in ("head", "channel"):
-        for dtype in ("float32", "bfloat16"):
-            case = random_window_case(7, windows=windows, state_dtype=dtype, gate=gate)
-            parents = random_parents(7, windows, ring_len)
-            nodes, counts = random_accepted_nodes(8, random_parents(8, [ring_len] * batch, ring_len),
-                                                  [ring_len] * batch)
-            case.previous_num_accepted[:] = counts
-            tables = {"row_ids": case.row_ids, "ring_row_ids": case.ring_row_ids,
-                      "input_row_offsets": case.input_row_offsets}
-            previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
-                        "previous_num_accepted": case.previous_num_accepted, "previous_accepted_nodes": nodes}
-            for fold_on_load in (False, True):
-                extra = previous if fold_on_load else {}
-                state, ring = case.fresh()
-                got = runner.verify_tree(*case.tokens(), state, ring, **tables, parents=parents, **extra)
-                want_state, want_ring = case.fresh()
-                want = reference.verify_tree(*case.tokens(), want_state, want_ring, **tables, parents=parents,
-                                             **extra)
-                what = f"tree verify{' with fold on load' if fold_on_load else ''}, {dtype} pool, {gate} gates"
-                for name, a, b in zip(("readout", "pool", "ring"), (got, state, ring), (want, want_state, want_ring),
-                                      strict=True):
-                    same_bits(a, b, f"{what}: {name}")
+    for (ring_len, windows), gate, dtype in itertools.product(TREE_WINDOWS, ("head", "channel"),
+                                                               ("float32", "bfloat16")):
+        batch = len(windows)
+        case = random_window_case(7, windows=windows, state_dtype=dtype, gate=gate, ring_len=ring_len)
+        parents = random_parents(7, windows, ring_len)
+        nodes, counts = random_accepted_nodes(8, random_parents(8, [ring_len] * batch, ring_len),
+                                              [ring_len] * batch)
+        case.previous_num_accepted[:] = counts
+        tables = {"row_ids": case.row_ids, "ring_row_ids": case.ring_row_ids,
+                  "input_row_offsets": case.input_row_offsets}
+        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                    "previous_num_accepted": case.previous_num_accepted, "previous_accepted_nodes": nodes}
+        for fold_on_load in (False, True):
+            extra = previous if fold_on_load else {}
+            state, ring = case.fresh()
+            got = runner.verify_tree(*case.tokens(), state, ring, **tables, parents=parents, **extra)
+            want_state, want_ring = case.fresh()
+            want = reference.verify_tree(*case.tokens(), want_state, want_ring, **tables, parents=parents,
+                                         **extra)
+            what = (f"tree verify{' with fold on load' if fold_on_load else ''}, RING_LEN {ring_len}, {dtype}"
+                    f" pool, {gate} gates")
+            for name, a, b in zip(("readout", "pool", "ring"), (got, state, ring), (want, want_state, want_ring),
+                                  strict=True):
+                same_bits(a, b, f"{what}: {name}")
     # In GPU graphs: request 0's node 1 names itself; with fold on load, either that or
     # request 0's previous path backwards (it folds the whole ring, in order, otherwise).
+    ring_len, windows = TREE_WINDOWS[0]
+    batch = len(windows)
     case = random_window_case(9, windows=windows, previous_num_accepted=[4, 2, 0, 1, 3])
     parents = random_parents(9, windows, ring_len)
     nodes = np.tile(np.arange(ring_len, dtype=np.uint32), (batch, 1))

@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--gate", default="head", choices=["head", "channel"])
     parser.add_argument("--window", type=int, default=4, choices=list(WINDOWS), metavar="W",
-                        help="tokens each request verifies, 1 to 16")
+                        help="tokens each request verifies, 1 to 32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-fla", action="store_true")

@@ -211,7 +211,7 @@ def bench_step(
         help="GPU: time captured device graphs (as MAX's pipelines decode); --no-replay times execute().")] = True,
     gate: Annotated[GateName, typer.Option(help=GATE_HELP)] = GateName.head,
     window: Annotated[int, typer.Option(
-        help="Tokens each request verifies (RING_LEN): 1 is plain decoding, 8 a DFlash2 block, 16 the longest"
+        help="Tokens each request verifies (RING_LEN): 1 is plain decoding, 8 a DFlash2 block, 32 the longest"
              " ring.")] = 4,
     tree: Annotated[str | None, typer.Option(
         help="Comma-separated token trees NODESxDEPTH (e.g. 8x4,16x5): time our tree verify against the chain of"

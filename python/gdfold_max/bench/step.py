@@ -27,7 +27,7 @@ every variant in turn for ``rounds`` rounds, the median kept and the per-round r
 spread reported. MAX's ops and FLA have no CPU path: on the CPU only ``ours``,
 ``fused`` and ``forward`` run. Shapes default to Qwen3-Next-80B's gated-delta layers. Every
 request verifies a window of W tokens (``window``: 1 is plain decoding, 8 a block of MAX's
-DFlash2 drafter, 16 our longest ring) into a ring of RING_LEN = W records, and W - 1 of the
+DFlash2 drafter, 32 our longest ring) into a ring of RING_LEN = W records, and W - 1 of the
 previous step's records are accepted (at W = 1 the one record, as plain decoding keeps every
 token: with none accepted ``ours`` and ``fused`` would only read the state). MAX's verify
 and fold run only where its ring kernels are compiled for RING_LEN (:data:`MAX_RING_LENS`).
@@ -55,6 +55,7 @@ from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, Ten
 from max.graph import Module as GraphModule
 from rich.console import Console
 
+from ..ops.checks import MAX_RING_LEN
 from ..ops.fold import state_fold
 from ..ops.kernels import kernels_path
 from ..ops.window import WindowTiling, recurrence, verify_ring
@@ -86,8 +87,8 @@ STATE_PASSES = {"max": 3, "max-forward": 2, "ours": 3, "fused": 2, "forward": 2,
 #: The ring lengths MAX 26.7's ring kernels are compiled for (``COMPILED_RING_LENS`` in
 #: ``max.pipelines.architectures.qwen3_5.state_cache``): its verify and fold run at no other.
 MAX_RING_LENS = (2, 4, 8)
-#: The window widths the benchmark takes: our ring holds 1 to 16 records.
-WINDOWS = range(1, 17)
+#: The window widths the benchmark takes: our ring holds 1 to 32 records (MAX_RING_LEN).
+WINDOWS = range(1, MAX_RING_LEN + 1)
 #: Bytes of the buffer whose device copy gives the floor's bandwidth: large enough that a
 #: launch and a synchronisation do not count.
 FLOOR_COPY_BYTES = 1 << 30
@@ -343,7 +344,7 @@ def run_step_bench(
     shape = shape or FoldShape()
     batches = list(batches)
     if window is not None:
-        step_variants(shape.gate, window, False)  # refuses a window outside 1 to 16
+        step_variants(shape.gate, window, False)  # refuses a window outside 1 to 32
         shape = window_shape(shape, window)
     console = console or Console()
     device = device or Accelerator()

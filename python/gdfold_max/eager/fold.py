@@ -132,10 +132,11 @@ class StateFolder(CompiledGraphs):
         builds = {}
         for dtype in state_dtypes:
             state_dtype = state_dtype_named("state_dtypes", dtype)
-            parameters = {"K": key_dim, "V": value_dim, "RING_LEN": ring_len} | fold_tiling(
-                key_dim, value_dim, state_dtype, self.key_dim_tile, self.rows_per_thread)
             for gate in gates:
                 check_gate(gate)
+                parameters = {"K": key_dim, "V": value_dim, "RING_LEN": ring_len} | fold_tiling(
+                    key_dim, value_dim, state_dtype, self.key_dim_tile, self.rows_per_thread, ring_len=ring_len,
+                    gate=gate)
                 for path in paths:
                     key = (state_dtype, gate, path, *sorted(parameters.items()))
                     builds[key] = partial(self._build, state_dtype, parameters, gate, path)

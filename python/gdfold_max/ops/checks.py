@@ -16,7 +16,7 @@ from ..layout import Gate, RecordLayout
 #: Supported state dtypes, key/value dims and ring lengths.
 STATE_DTYPES = (DType.float32, DType.bfloat16)
 MAX_HEAD_DIM = 256
-MAX_RING_LEN = 16
+MAX_RING_LEN = 32
 
 INTEGER_DTYPES = (
     DType.uint8,

@@ -43,6 +43,21 @@ def default_tiling(key_dim: int, state_dtype: DType) -> tuple[int, int]:
 #: Threads one GPU block may hold (CUDA's limit, and MAX's on every GPU it supports).
 MAX_BLOCK_THREADS = 1024
 
+#: Static shared memory one GPU block may hold without an opt-in (CUDA's limit).
+MAX_STATIC_SHARED_BYTES = 48 * 1024
+
+
+def fold_shared_bytes(ring_len: int, key_dim_tile: int, value_dim: int, gate: Gate) -> int:
+    """Shared memory of one fold block, as ``mojo/fold_gpu.mojo`` stages a request's records:
+    each record's key tile, delta row and decays (one, or the tile's with per-channel gates),
+    each buffer 16-byte aligned.
+
+    >>> fold_shared_bytes(16, 128, 256, "channel"), fold_shared_bytes(32, 128, 256, "head")
+    (32768, 49280)
+    """
+    decays = key_dim_tile if gate == "channel" else 1
+    return sum(-(-4 * ring_len * floats // 16) * 16 for floats in (key_dim_tile, value_dim, decays))
+
 
 def fold_block_threads(state_dtype: DType, value_dim: int, key_dim_tile: int, rows_per_thread: int) -> int:
     """Threads of one fold block, as ``mojo/fold_gpu.mojo`` launches it: a 16-byte state
@@ -55,14 +70,22 @@ def fold_block_threads(state_dtype: DType, value_dim: int, key_dim_tile: int, ro
 
 
 def fold_tiling(key_dim: int, value_dim: int, state_dtype: DType, key_dim_tile: int | None = None,
-                rows_per_thread: int | None = None) -> dict[str, int]:
+                rows_per_thread: int | None = None, *, ring_len: int = 1, gate: Gate = "head") -> dict[str, int]:
     """The fold's GPU tiling, checked (the CPU path ignores it): the tile divides K, the
-    rows divide the tile, and a block holds at most ``MAX_BLOCK_THREADS`` threads.
+    rows divide the tile, a block holds at most ``MAX_BLOCK_THREADS`` threads, and the
+    records it stages (``ring_len`` of them) fit ``MAX_STATIC_SHARED_BYTES``. The default
+    tile is halved until they do: at RING_LEN 32 and V = 256 the preferred tiles stage more
+    (``fold_shared_bytes``); up to RING_LEN 16 it never needs to.
+
+    >>> fold_tiling(256, 256, DType.bfloat16, ring_len=16), fold_tiling(256, 256, DType.bfloat16, ring_len=32)
+    ({'KEY_DIM_TILE': 128, 'ROWS_PER_THREAD': 16}, {'KEY_DIM_TILE': 64, 'ROWS_PER_THREAD': 16})
 
     Raises:
         ValueError: naming ``key_dim_tile`` or ``rows_per_thread`` and the bad value.
     """
     default_tile, default_rows = default_tiling(key_dim, state_dtype)
+    while default_tile > 4 and fold_shared_bytes(ring_len, default_tile, value_dim, gate) > MAX_STATIC_SHARED_BYTES:
+        default_tile //= 2
     tile = default_tile if key_dim_tile is None else key_dim_tile
     if tile < 4 or tile % 4 != 0 or key_dim % tile != 0:
         raise ValueError(f"key_dim_tile: {tile} must be a multiple of 4 that divides K={key_dim}")
@@ -75,6 +98,12 @@ def fold_tiling(key_dim: int, value_dim: int, state_dtype: DType, key_dim_tile: 
             f"key_dim_tile, rows_per_thread: ({tile}, {rows}) makes GPU blocks of {threads} threads"
             f" (V={value_dim}, {state_dtype.name} pool); at most {MAX_BLOCK_THREADS}: raise rows_per_thread"
             " or lower key_dim_tile"
+        )
+    staged = fold_shared_bytes(ring_len, tile, value_dim, gate)
+    if staged > MAX_STATIC_SHARED_BYTES:
+        raise ValueError(
+            f"key_dim_tile: {tile} stages {staged} bytes of records in a GPU block (RING_LEN {ring_len}, V={value_dim},"
+            f" {gate} gates); at most {MAX_STATIC_SHARED_BYTES}: lower key_dim_tile"
         )
     return {"KEY_DIM_TILE": tile, "ROWS_PER_THREAD": rows}
 
@@ -95,7 +124,8 @@ def fold_parameters(
         ValueError: naming the argument, the bad value and what was expected.
     """
     parameters = ring_parameters(state_shape, state_dtype, ring_shape, ring_dtype, gate)
-    return parameters | fold_tiling(parameters["K"], parameters["V"], state_dtype, key_dim_tile, rows_per_thread)
+    return parameters | fold_tiling(parameters["K"], parameters["V"], state_dtype, key_dim_tile, rows_per_thread,
+                                    ring_len=parameters["RING_LEN"], gate=gate)
 
 
 def check_table_shapes(
@@ -149,7 +179,7 @@ def state_fold(
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 buffer, folded in place.
             K and V static, multiples of 8 up to 256.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 buffer; RING_LEN static in
-            1..16; ``stride >= K + G*(V+1)`` with ``G = nv // nk``, a multiple of 4.
+            1..32; ``stride >= K + G*(V+1)`` with ``G = nv // nk``, a multiple of 4.
         row_ids: ``[num_layers, batch]`` integer pool rows (cast to uint32).
         ring_row_ids: ``[num_layers, batch]`` integer ring rows (cast to uint32).
         num_accepted: ``[batch]`` integer count of records to fold per request. 0 and

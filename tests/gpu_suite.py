@@ -38,10 +38,11 @@ GROUPS: dict[str, tuple[list[str], str]] = {
     # since with the layer tests beside it the group passed 465 s unfinished on an H100.
     "max-pipeline": (["test_integration_max_qwen3_5_pipeline.py"], "loadfile"),
     "max-decoding": (["test_integration_max_qwen3_5_decoding.py"], "loadfile"),
-    # Two tests of three and four `max serve` processes of the tiny checkpoint, side by side.
-    # Run it with nothing else on the GPU: each server sizes its KV cache from a tenth of
-    # the GPU, and beside other groups MAX's own MTP server found too little
-    # (bench/results/gpu-tests-max-serve-h100-2026-12-06.txt as of c9933ba).
+    # Three tests of four, three and five `max serve` processes of the tiny checkpoint, side
+    # by side. Run it with nothing else on the machine: each server sizes its KV cache from a
+    # tenth of the GPU, and beside other groups MAX's own MTP server found too little
+    # (bench/results/gpu-tests-max-serve-h100-2026-12-06.txt as of c9933ba); two tests took
+    # 553 s alone, and the three beside compute-sanitizer passed 900 s with none ended.
     "max-serve": (["test_integration_max_qwen3_5_serve.py"], "load"),
 }
 
@@ -69,7 +70,9 @@ def commit() -> str:
 def command(group: str, workers: int, select: str | None = None) -> list[str]:
     files, dist = GROUPS[group]
     chosen = ["-k", select] if select else []
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
+    # -v writes each test's outcome as it ends, so a group stopped at its limit still shows
+    # which of its tests ended and how; -rA names them all again in the summary.
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
             "-n", str(workers), "--dist", dist, *chosen, *(f"tests/{name}" for name in files)]
 
 

@@ -34,6 +34,6 @@ def test_every_file_with_gpu_tests_is_in_one_group() -> None:
 def test_a_group_names_every_test_and_selects_gpu_tests() -> None:
     argv = command("range", 4)
     options = argv[argv.index("pytest") + 1 :]
-    assert options[options.index("-m") + 1] == "gpu" and "-rA" in options
+    assert options[options.index("-m") + 1] == "gpu" and "-rA" in options and "-v" in options
     files = [f"tests/test_range_{op}.py" for op in ("fold", "verify", "forward", "tree")]
     assert argv[argv.index("--dist") + 1] == "load" and argv[-4:] == files

@@ -2,6 +2,7 @@
 kernel with the SM's cycle counter:
 
     python bench/profiling/phase_counters.py [--batch N] [--layers N] [--dtype float32|bfloat16]
+                                   [--window W] [--variant fused|forward] [--gate head|channel]
                                    [--kernels DIR] [--column-tile T] [--requests-per-block R]
                                    [--clock-ghz F] [--raw CSV]
 
@@ -11,8 +12,11 @@ in a temporary folder: at the end of each phase of a unit (the numbered steps of
 total (the first unit's ids and the issue of its copies apart from the wait for them), and
 at the end threads 0 and 64 write their totals over the readout of the block's
 first unit's first token (so the readout is wrong; the pool and ring are not touched). One
-step of ``--layers`` fused layers runs at Qwen3-Next shapes with an fp32 pool (or
-``--dtype bfloat16``); the last layer's blocks are read. Thread 0 issues the tile's
+step of ``--layers`` layers of the fused verify (or ``--variant forward``: our forward, what
+a plain decoding step runs at ``--window 1``) runs over windows of ``--window`` tokens
+(default 4, as the step benchmark: W - 1 previous records folded on load) at Qwen3-Next
+shapes (``--gate channel``: Kimi-Linear-48B's) with an fp32 pool (or ``--dtype bfloat16``);
+the last layer's blocks are read. Thread 0 issues the tile's
 tensor copies and the L2 prefetch, thread 64 does not: the two columns show what that
 costs warp 0. The counters cost the
 kernel registers (ptxas: about 50 bytes of spills more than the kernel's own), so the
@@ -30,6 +34,7 @@ import argparse
 import shutil
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +43,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 
 from gdfold_max.bench.harness import FoldShape
-from gdfold_max.bench.step import StepGraphs, make_step_operands
+from gdfold_max.bench.step import WINDOWS, StepGraphs, make_step_operands, window_shape
 
 PHASES = (
     "copies waited for, barrier 1 (and next ids)",
@@ -128,6 +133,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the pool's dtype")
+    parser.add_argument("--window", type=int, default=4, help="tokens a request (1: plain decoding)")
+    parser.add_argument("--variant", choices=["fused", "forward"], default="fused",
+                        help="the fused verify, or our forward (which records nothing and folds nothing)")
+    parser.add_argument("--gate", choices=["head", "channel"], default="head")
     parser.add_argument("--kernels", type=Path, default=Path(__file__).resolve().parents[2] / "mojo")
     parser.add_argument("--column-tile", type=int, default=64)
     parser.add_argument("--requests-per-block", type=int, default=None,
@@ -137,8 +146,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.column_tile < 64:
         parser.error(f"--column-tile: thread 64 and 16 counter columns need 64 or more, got {args.column_tile}")
+    if args.window not in WINDOWS:
+        parser.error(f"--window: {args.window} is not in 1 to {WINDOWS[-1]}")
 
-    shape = FoldShape(num_layers=args.layers)
+    shape = window_shape(replace(FoldShape.for_gate(args.gate), num_layers=args.layers), args.window)
     state_dtype = getattr(DType, args.dtype)
     block_columns = shape.num_value_heads * (shape.value_dim // args.column_tile)
     tiling = {"column_tile": args.column_tile, "requests_per_block": args.requests_per_block}
@@ -146,9 +157,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2, tiling,
                             kernels=patched_kernels(args.kernels, Path(scratch)))
-        graphs.compile_all(["fused"], [state_dtype], chained=False)
+        graphs.compile_all([args.variant], [state_dtype], chained=False)
     operands = make_step_operands(device, shape, args.batch, state_dtype)
-    model = graphs.model("fused", state_dtype, 1)
+    model = graphs.model(args.variant, state_dtype, 1)
     for _ in range(3):  # the last run's counters are read
         (readout,) = model.execute(*operands)
     report(np.asarray(readout.to(CPU()).to_numpy()), shape, block_columns, args)
@@ -165,7 +176,8 @@ def report(counters: np.ndarray, shape: FoldShape, block_columns: int, args: arg
     blocks = [((b % block_columns) * args.column_tile, (b // block_columns) * tokens_per_request)
               for b in range(grid)]
     us = 1e-3 / args.clock_ghz
-    print(f"batch {args.batch}, {args.layers} layers (the last one's blocks), tile {args.column_tile},"
+    print(f"{args.variant}, {args.gate} gates, window {args.window}, {args.dtype} pool,"
+          f" batch {args.batch}, {args.layers} layers (the last one's blocks), tile {args.column_tile},"
           f" {len(blocks)} blocks; us per block, mean over blocks"
           f" (cycles at {args.clock_ghz} GHz)")
     print(f"  {'phase':46s}" + "".join(f" {name:>10s}" for name in WRITERS))

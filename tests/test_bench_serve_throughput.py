@@ -140,3 +140,29 @@ def test_max_s_rotary_embedding_takes_the_checkpoint_s_mrope_sections(bench: dic
                                            theta=rope["rope_theta"], max_seq_len=text["max_position_embeddings"],
                                            mrope_section=rope["mrope_section"], head_dim=rotary_dim)
     assert sum(embedding.mrope_section) == rotary_dim // 2
+
+
+def test_step_stats_read_max_s_batch_lines_with_and_without_overlap(bench: dict) -> None:
+    """With --step-stats every server logs every batch, and a wave's step and batch
+    creation come from the lines of token-generation batches at its concurrency (the
+    lines' formats as MAX 26.7's scheduler writes them, max/serve/scheduler/utils.py)."""
+    args = bench["parse_args"](["--step-stats"])
+    _, env = bench["serve_command"]("fused", "bfloat16", Path("/ckpt"), 9000, args, environ={})
+    assert env["MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S"] == "0"
+    _, env = bench["serve_command"]("fused", "bfloat16", Path("/ckpt"), 9000, bench["parse_args"]([]), environ={})
+    assert "MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S" not in env
+    log = "\n".join([
+        # Overlap: the enqueued batch's creation, the completed batch's execution.
+        "00:50:45.837 INFO: Enqueued TG batch with 8 reqs | Pending: 0 reqs | Input Tokens: 8/8192 toks | Batch"
+        " creation: 424.06us | Completed TG batch with 8 reqs | Terminated: 0 reqs | Execution: 7.11ms | x",
+        "00:50:46.000 INFO: Enqueued TG batch with 8 reqs | Batch creation: 1.20ms | Completed TG batch with 7 reqs"
+        " | Execution: 9.00ms | x",
+        # Without overlap one clause holds both.
+        "00:50:47.000 INFO: Executed TG batch with 8 reqs | Terminated: 0 reqs, Pending: 0 reqs | Batch creation:"
+        " 2.00ms, Execution: 1.05s | x",
+        # A context-encoding batch and another concurrency count for nothing.
+        "00:50:48.000 INFO: Executed CE batch with 8 reqs | Batch creation: 9.00ms, Execution: 90.00ms | x",
+        "00:50:49.000 INFO: Enqueued TG batch with 3 reqs | Batch creation: 5.00ms | x",
+    ])
+    assert bench["step_stats"](log, 8) == {"step_ms": 528.555, "creation_ms": 1.2, "steps": 2}
+    assert bench["step_stats"](log, 64) == {"step_ms": None, "creation_ms": None, "steps": 0}

@@ -32,6 +32,14 @@ median round's; the JSON keeps every round's rate. The weights are random, so
 the drafts are almost never accepted: the table compares the cost of a served step, not
 a speculative speed-up.
 
+With ``--step-stats`` each server logs every batch (MAX's scheduler statistics at an
+interval of 0 s, ``MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S``), and each timed wave also
+reports, from the lines its server logged meanwhile, the median ``Execution`` of its
+token-generation batches at the full concurrency (a served step: the time MAX's scheduler
+measures from a batch's launch to its results) and the median ``Batch creation`` (the
+scheduler's host work for a batch), so that a difference in throughput can be placed on
+the device's step or on the host's. The logging costs every server alike.
+
 Prints a header line (command, GPU, date, commit) and one table, the ratio ours / MAX
 per route, and writes the same as JSON. Needs a GPU; ``--print-commands`` prints the
 server commands and stops.
@@ -48,6 +56,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import runpy
 import shlex
 import shutil
@@ -71,6 +80,14 @@ POOLS = ("bfloat16", "float32")
 SHAPES = {"hidden": 2048, "layers": 4, "vocab": 2048, "key_heads": 16, "value_heads": 32, "head_dim": 128,
           "ffn": 1024, "attention_heads": 16, "kv_heads": 2, "attention_head_dim": 256, "dtype": "bfloat16"}
 SERVED_NAME = "qwen3_5-next-shapes"
+#: MAX's scheduler logs its batch statistics at most this often (seconds; default 3).
+STATS_INTERVAL = "MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S"
+#: A token-generation batch's execution (``Executed`` without overlap, ``Completed`` with
+#: it) and its creation (``Executed`` or ``Enqueued``), as MAX's scheduler logs them
+#: (``max/serve/scheduler/utils.py``, ``to_human_readable_latency``'s units).
+EXECUTION = re.compile(r"(?:Executed|Completed) TG batch with (\d+) reqs.*?Execution: ([\d.]+)(ns|us|ms|s)\b")
+CREATION = re.compile(r"(?:Executed|Enqueued) TG batch with (\d+) reqs.*?Batch creation: ([\d.]+)(ns|us|ms|s)\b")
+MS_PER = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -95,6 +112,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="JSON output (default: serve-throughput-DATE.json here)")
     parser.add_argument("--ready-s", type=float, default=1800.0, help="how long a server may take to start")
     parser.add_argument("--print-commands", action="store_true", help="print the server commands and stop")
+    parser.add_argument("--step-stats", action="store_true",
+                        help="servers log every batch; each wave reports its median step and batch creation")
     parser.add_argument("--start-together", action="store_true",
                         help="start every server at once (their graphs compile side by side on the host's cores),"
                              " each with --memory shared out among them, then time them one at a time while the"
@@ -145,6 +164,8 @@ def serve_command(route: str, pool: str, folder: Path, port: int, args: argparse
     env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MAX_SERVE_DISABLE_TELEMETRY": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), env.get("PYTHONPATH")]))}
     env.pop("GDFOLD_MAX_QWEN3_5", None)
+    if args.step_stats:
+        env[STATS_INTERVAL] = "0"
     if route in OURS:
         argv += ["--custom-architectures", MODULE]
         env["GDFOLD_MAX_QWEN3_5"] = route
@@ -161,6 +182,24 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def rate(output_tokens: int, seconds: float) -> float:
     return output_tokens / seconds if seconds > 0 else float("nan")
+
+
+def step_stats(log_text: str, concurrency: int) -> dict[str, Any]:
+    """The median execution and creation, in ms to the µs, of the token-generation
+    batches of ``concurrency`` requests among a server's log lines, and how many there were.
+
+    >>> lines = ("Enqueued TG batch with 8 reqs | Batch creation: 424.06us | Completed TG batch with 8 reqs"
+    ...          " | Execution: 7.11ms | x\\nExecuted TG batch with 8 reqs | Batch creation: 1.50ms, Execution: 6.90ms"
+    ...          " | x\\nEnqueued TG batch with 3 reqs | Batch creation: 2.00ms | x")
+    >>> step_stats(lines, 8)
+    {'step_ms': 7.005, 'creation_ms': 0.962, 'steps': 2}
+    """
+    def medians(pattern: re.Pattern[str]) -> list[float]:
+        return [float(m[2]) * MS_PER[m[3]] for m in pattern.finditer(log_text) if int(m[1]) == concurrency]
+
+    steps, created = medians(EXECUTION), medians(CREATION)
+    return {"step_ms": round(statistics.median(steps), 3) if steps else None,
+            "creation_ms": round(statistics.median(created), 3) if created else None, "steps": len(steps)}
 
 
 def round_order(servers: int, rounds: int) -> list[list[int]]:
@@ -263,7 +302,7 @@ async def wave(client: Any, url: str, batch: list[list[int]], output_len: int, c
     return sum(counts), time.perf_counter() - started
 
 
-async def measure_server(url: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+async def measure_server(url: str, args: argparse.Namespace, vocab: int, log: Path) -> list[dict[str, Any]]:
     import httpx
 
     out = []
@@ -272,11 +311,23 @@ async def measure_server(url: str, args: argparse.Namespace, vocab: int) -> list
             await wave(client, url, prompts(concurrency, args.prompt_len, vocab, seed=1000 + concurrency),
                        args.output_len, concurrency)
             timed = prompts(args.waves * concurrency, args.prompt_len, vocab, seed=concurrency)
+            logged = log.stat().st_size
             tokens, seconds = await wave(client, url, timed, args.output_len, concurrency)
-            out.append({"concurrency": concurrency, "requests": len(timed), "output_tokens": tokens,
-                        "seconds": seconds, "tokens_per_s": rate(tokens, seconds)})
-            print(f"  {concurrency:>3} concurrent: {tokens} tokens in {seconds:.2f} s,"
-                  f" {rate(tokens, seconds):,.1f} tokens/s", flush=True)
+            result = {"concurrency": concurrency, "requests": len(timed), "output_tokens": tokens,
+                      "seconds": seconds, "tokens_per_s": rate(tokens, seconds)}
+            line = (f"  {concurrency:>3} concurrent: {tokens} tokens in {seconds:.2f} s,"
+                    f" {rate(tokens, seconds):,.1f} tokens/s")
+            if args.step_stats:
+                await asyncio.sleep(0.5)  # the last batch's line
+                with log.open("rb") as stream:
+                    stream.seek(logged)
+                    stats = step_stats(stream.read().decode(errors="replace"), concurrency)
+                result |= stats
+                if stats["steps"]:
+                    line += (f"; {stats['steps']} steps of {concurrency}: {stats['step_ms']:.2f} ms a step,"
+                             f" {stats['creation_ms']:.2f} ms batch creation (medians)")
+            out.append(result)
+            print(line, flush=True)
     return out
 
 
@@ -317,9 +368,9 @@ def serve_and_measure(pairs: Sequence[tuple[str, str]], folder: Path, copies: Pa
         measured: list[list[list[dict[str, Any]]]] = [[] for _ in servers]
         for number, order in enumerate(rounds, 1):
             for i in order:
-                route, pool, url, _, _ = servers[i]
+                route, pool, url, _, log = servers[i]
                 print(f"round {number} of {len(rounds)}: {route}, {pool} pools", flush=True)
-                measured[i].append(asyncio.run(measure_server(url, args, vocab)))
+                measured[i].append(asyncio.run(measure_server(url, args, vocab, log)))
         results: list[dict[str, Any]] = []
         for (route, pool, _, _, _), per_round in zip(servers, measured, strict=True):
             for runs in zip(*per_round, strict=True):

@@ -204,8 +204,14 @@ def _check_vector(name: str, value: TensorValue) -> TensorValue:
     return row_table(name, value)
 
 
-def _readout_type(qkv: TensorValue, recurrent_state: BufferValue, value_dim: int) -> TensorType:
-    return TensorType(DType.float32, [qkv.shape[0], recurrent_state.shape[1] * value_dim], recurrent_state.device)
+def _window_op(name: str, qkv: TensorValue, recurrent_state: BufferValue, operands: list[TensorValue | BufferValue],
+               parameters: dict[str, int]) -> TensorValue:
+    """Runs window op ``name`` in place on the pool and the ring among ``operands``;
+    returns its readout, ``[T, nv*V]`` float32 on the pool's device."""
+    readout = TensorType(DType.float32, [qkv.shape[0], recurrent_state.shape[1] * parameters["V"]],
+                         recurrent_state.device)
+    return ops.inplace_custom(name, recurrent_state.device, operands, out_types=[readout],
+                              parameters=parameters)[0].tensor
 
 
 def _check_verify_operands(qkv: TensorValue, decay: TensorValue, beta: TensorValue, recurrent_state: BufferValue,
@@ -328,14 +334,7 @@ def verify_ring(
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
     op_parameters.update(tiling)
-    results = ops.inplace_custom(
-        name,
-        recurrent_state.device,
-        [qkv, decay, beta, recurrent_state, ring, *tables],
-        out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters=op_parameters,
-    )
-    return results[0].tensor
+    return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables], op_parameters)
 
 
 def verify_tree(
@@ -424,14 +423,8 @@ def verify_tree(
         ]
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
-    results = ops.inplace_custom(
-        name,
-        recurrent_state.device,
-        [qkv, decay, beta, recurrent_state, ring, *tables],
-        out_types=[_readout_type(qkv, recurrent_state, parameters["V"])],
-        parameters={"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len},
-    )
-    return results[0].tensor
+    return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables],
+                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len})
 
 
 def recurrence(
@@ -494,18 +487,6 @@ def recurrence(
     op_parameters: dict[str, int] = {"K": key_dim, "V": value_dim}
     op_parameters.update(gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block,
                                     gpu_path=gpu_path, channel=gate == "channel"))
-    results = ops.inplace_custom(
-        RECURRENCE_OP_NAME + (CHANNEL_OP_SUFFIX if gate == "channel" else ""),
-        recurrent_state.device,
-        [
-            qkv,
-            decay,
-            beta,
-            recurrent_state,
-            _check_vector("row_ids", row_ids),
-            _check_vector("input_row_offsets", input_row_offsets),
-        ],
-        out_types=[_readout_type(qkv, recurrent_state, value_dim)],
-        parameters=op_parameters,
-    )
-    return results[0].tensor
+    tables = [_check_vector("row_ids", row_ids), _check_vector("input_row_offsets", input_row_offsets)]
+    return _window_op(RECURRENCE_OP_NAME + (CHANNEL_OP_SUFFIX if gate == "channel" else ""), qkv, recurrent_state,
+                      [qkv, decay, beta, recurrent_state, *tables], op_parameters)

@@ -23,13 +23,17 @@ from the state of node `parents[b, i]` (-1: the committed state) and writes reco
 its fold on load folds the previous step's accepted path (`previous_accepted_nodes`).
 They run the verify's code with its TREE switch on: on the CPU window_cpu.mojo's, on a
 GPU the latency kernel's (window_gpu_latency.mojo), whatever the GPU path. Their tiling
-parameters are fixed (run_windows needs them; neither of those kernels reads them).
+parameters are fixed (run_windows needs them; neither of those kernels reads them). Their
+one GPU parameter, LEAF_WARPS (1, or 4), shares each unit's leaves among that many warps
+in a small launch (window_launch.tree_leaves_shared).
 """
 
 import extensibility
 from extensibility import InputTensor, OutputTensor, _MutableInputTensor
 from max.gpu.host import DeviceContext
+from std.utils import IndexList
 
+from .fold_launch import run_fold
 from .window_launch import run_windows
 from .window_operands import WindowOperands
 
@@ -100,6 +104,82 @@ struct VerifyRingFoldOnLoad:
         run_windows[
             target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True,
         ](operands, ctx)
+
+
+@extensibility.register("gdfold_verify_or_forward")
+struct VerifyOrForward:
+    """The verify with fold on load, or, where MAX's verify width operand (a [K] host
+    tensor whose length is the draft width) has length 0, the fold of the previous records
+    and then the forward, which commits the pool and records nothing: the choice a
+    speculative step makes between a verify and a step without drafts, read on the host
+    as the op runs, so a graph whose width is symbolic needs no branch. Each side launches
+    what gdfold_verify_ring_fold_on_load, or gdfold_state_fold (the previous ring rows as
+    a one-layer table) and gdfold_recurrence, launch, with the same parameters.
+    """
+
+    @staticmethod
+    def execute[
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
+        REQUESTS_PER_BLOCK: Int,
+        GPU_PATH: Int,
+        KEY_DIM_TILE: Int,
+        ROWS_PER_THREAD: Int,
+    ](
+        readout: OutputTensor[dtype=DType.float32, rank=2, ...],
+        qkv: InputTensor[dtype=DType.float32, rank=2, ...],
+        decay: InputTensor[dtype=DType.float32, rank=2, ...],
+        beta: InputTensor[dtype=DType.float32, rank=2, ...],
+        recurrent_state: _MutableInputTensor[rank=4, ...],
+        ring: _MutableInputTensor[dtype=DType.float32, rank=4, ...],
+        row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, ...],
+        previous_ring_row_ids: InputTensor[dtype=DType.uint32, rank=1, ...],
+        previous_num_accepted: InputTensor[dtype=DType.uint32, rank=1, ...],
+        verify_width: InputTensor[dtype=DType.int64, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        var forward = WindowOperands(
+            readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
+        )
+        var verify = forward.with_ring(ring, ring_row_ids).with_previous(
+            previous_ring_row_ids, previous_num_accepted
+        )
+        verify_or_forward[
+            target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, KEY_DIM_TILE,
+            ROWS_PER_THREAD,
+        ](verify, forward, verify_width.dim_size(0), ctx)
+
+
+def verify_or_forward[
+    dtype: DType, //,
+    target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int,
+    REQUESTS_PER_BLOCK: Int, GPU_PATH: Int, KEY_DIM_TILE: Int, ROWS_PER_THREAD: Int,
+](
+    verify: WindowOperands[dtype], forward: WindowOperands[dtype], width: Int, ctx: DeviceContext
+) raises:
+    """VerifyOrForward's launches: `verify` (with its ring and previous records) at a
+    nonzero `width`; else the fold of `verify`'s previous records into its pool (the
+    previous ring rows as a one-layer table), then the forward over `forward`'s window."""
+    if width != 0:
+        run_windows[
+            target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True,
+        ](verify, ctx)
+        return
+    run_fold[target, dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, False, False](
+        rebind[Pointer[Scalar[dtype], MutAnyOrigin]](verify.state), verify.state_dims,
+        rebind[Pointer[Float32, MutAnyOrigin]](verify.ring), verify.ring_dims,
+        rebind[Pointer[UInt32, ImmutAnyOrigin]](verify.row_ids), IndexList[2](1, verify.batch),
+        rebind[Pointer[UInt32, ImmutAnyOrigin]](verify.previous_ring_row_ids),
+        IndexList[2](1, verify.previous_ring_row_ids_len),
+        rebind[Pointer[UInt32, ImmutAnyOrigin]](verify.previous_accepted), verify.previous_accepted_len,
+        # The chain's fold reads no node table.
+        rebind[Pointer[UInt32, ImmutAnyOrigin]](verify.previous_accepted), IndexList[2](0, 0),
+        ctx,
+    )
+    run_windows[
+        target, K, V, 1, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, False, False,
+    ](forward, ctx)
 
 
 @extensibility.register("gdfold_recurrence")
@@ -224,7 +304,7 @@ struct VerifyTree:
     """
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -241,7 +321,7 @@ struct VerifyTree:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids).with_parents(parents)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, False, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, False, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -250,7 +330,7 @@ struct VerifyTreeChannel:
     """The tree verify with per-channel gates."""
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=3, ...],
@@ -267,7 +347,7 @@ struct VerifyTreeChannel:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids).with_parents(parents)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, True, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, True, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -277,7 +357,7 @@ struct VerifyTreeFoldOnLoad:
     """
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -299,7 +379,7 @@ struct VerifyTreeFoldOnLoad:
             previous_ring_row_ids, previous_num_accepted
         ).with_previous_nodes(previous_accepted_nodes)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, False, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, False, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -308,7 +388,7 @@ struct VerifyTreeFoldOnLoadChannel:
     """The tree verify with per-channel gates, folding the previous accepted path first."""
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=3, ...],
@@ -330,5 +410,5 @@ struct VerifyTreeFoldOnLoadChannel:
             previous_ring_row_ids, previous_num_accepted
         ).with_previous_nodes(previous_accepted_nodes)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, True, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, True, True, LEAF_WARPS,
         ](operands, ctx)

@@ -131,17 +131,23 @@ def test_max_rollback_under_patched_is_bit_exact_on_the_cpu(rollback_model: obje
         assert_bits_equal(state, want, "against the reference fold")
 
 
-def _window_graph(kind: str, case: object, symbolic: bool, module: GraphModule | None = None) -> Graph:
+def _window_graph(kind: str, case: object, symbolic: bool, module: GraphModule | None = None,
+                  device: DeviceRef = HOST) -> Graph:
+    """Our verify in MAX's signature (``verify``) or the fused one, the operands on
+    ``device``; the width, as in MAX's graph, a host tensor whose length is the count."""
     c = case
     f32, u32 = DType.float32, DType.uint32
+    pool_dtype = DType.bfloat16 if c.state.dtype.name == "bfloat16" else f32  # type: ignore[attr-defined]
     width_dim = "drafts" if symbolic else 3
-    inputs = [TensorType(f32, ["T", c.qkv.shape[1]], HOST), TensorType(f32, ["T", c.decay.shape[1]], HOST),  # type: ignore[attr-defined]
-              TensorType(f32, ["T", c.decay.shape[1]], HOST),  # type: ignore[attr-defined]
-              BufferType(f32, ["rows", *c.state.shape[1:]], HOST),  # type: ignore[attr-defined]
-              BufferType(f32, ["ring_rows", *c.ring.shape[1:]], HOST),  # type: ignore[attr-defined]
-              TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(u32, ["B1"], HOST),
-              TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(DType.int64, [width_dim], HOST)]
-    with Graph(f"{kind}_{symbolic}", input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
+    inputs = [TensorType(f32, ["T", c.qkv.shape[1]], device), TensorType(f32, ["T", c.decay.shape[1]], device),  # type: ignore[attr-defined]
+              TensorType(f32, ["T", c.decay.shape[1]], device),  # type: ignore[attr-defined]
+              BufferType(pool_dtype, ["rows", *c.state.shape[1:]], device),  # type: ignore[attr-defined]
+              BufferType(f32, ["ring_rows", *c.ring.shape[1:]], device),  # type: ignore[attr-defined]
+              TensorType(u32, ["B"], device), TensorType(u32, ["B"], device), TensorType(u32, ["B1"], device),
+              TensorType(u32, ["B"], device), TensorType(u32, ["B"], device),
+              TensorType(DType.int64, [width_dim], HOST)]
+    name = f"{kind}_{symbolic}" + ("" if device == HOST else f"_{pool_dtype.name}_gpu")
+    with Graph(name, input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
         qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous, accepted, width = graph.inputs
         verify = (max_qwen3_5.verify_like_max if kind == "verify"
                   else max_qwen3_5.fused_verify(previous.tensor, accepted.tensor))
@@ -174,35 +180,70 @@ def test_our_verify_in_max_s_signature_keeps_max_s_width_rule(width_models: dict
     bit, with the width symbolic (both widths through one graph) and, for the plain
     verify, static (the same build-time branch serves the fused one)."""
     case = WIDTH_CASE
-    tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
-              case.previous_num_accepted)
     runs = ((False, [3]), (True, [3, 0])) if kind == "verify" else ((True, [3, 0]),)
     for symbolic, widths in runs:
         model = width_models[f"{kind}_{symbolic}"]
         for drafts in widths:
-            pool, ring = case.fresh()
-            (out,) = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in case.tokens()),
-                                   Buffer.from_numpy(pool), Buffer.from_numpy(ring),
-                                   *(Buffer.from_numpy(t) for t in tables),
-                                   Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
-            want_pool, want_ring = case.fresh()
-            previous = {}
-            if kind == "fused":
-                previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
-                            "previous_num_accepted": case.previous_num_accepted}
-            if drafts:
-                want = reference.verify_ring(*case.tokens(), want_pool, want_ring, case.row_ids, case.ring_row_ids,
-                                             case.input_row_offsets, **previous)
-            else:
-                if previous:
-                    reference.fold(want_pool, want_ring, case.row_ids[None], case.previous_ring_row_ids[None],
-                                   case.previous_num_accepted)
-                want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
-                                                num_key_heads=case.num_key_heads)
-            what = f"{kind}, width {drafts}{' (symbolic)' if symbolic else ''}"
-            assert_bits_equal(out.to_numpy(), want, f"{what}: readout")
-            assert_bits_equal(pool, want_pool, f"{what}: pool")
-            assert_bits_equal(ring, want_ring, f"{what}: ring")
+            _assert_width_rule(model, kind, case, drafts, f"{kind}, width {drafts}{' (symbolic)' if symbolic else ''}")
+
+
+def _assert_width_rule(model: Model, kind: str, case: Any, drafts: int, what: str, device: Any = None) -> None:
+    """Runs one width through ``model`` (operands uploaded to ``device``, the host when
+    None) and checks the readout, the pool and the ring against the reference, bit for
+    bit: at a width of 0 the forward (fused: after the previous records fold), else the
+    verify (fused: with fold on load)."""
+    from gdfold_max.eager.base import copy_back, host_buffer
+
+    tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
+              case.previous_num_accepted)
+    pool, ring = case.fresh()
+    upload = host_buffer if device is None else (lambda a: host_buffer(a).to(device))
+    pool_buffer, ring_buffer = upload(pool), upload(ring)
+    (out,) = model.execute(*(upload(a) for a in case.tokens()), pool_buffer, ring_buffer,
+                           *(upload(t) for t in tables), Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+    if device is not None:
+        copy_back(pool_buffer, pool)
+        copy_back(ring_buffer, ring)
+    want_pool, want_ring = case.fresh()
+    previous = {}
+    if kind == "fused":
+        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                    "previous_num_accepted": case.previous_num_accepted}
+    if drafts:
+        want = reference.verify_ring(*case.tokens(), want_pool, want_ring, case.row_ids, case.ring_row_ids,
+                                     case.input_row_offsets, **previous)
+    else:
+        if previous:
+            reference.fold(want_pool, want_ring, case.row_ids[None], case.previous_ring_row_ids[None],
+                           case.previous_num_accepted)
+        want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
+                                    num_key_heads=case.num_key_heads)
+    assert_bits_equal(out.to(CPU()).to_numpy(), want, f"{what}: readout")
+    assert_bits_equal(pool, want_pool, f"{what}: pool")
+    assert_bits_equal(ring, want_ring, f"{what}: ring")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_the_fused_verify_keeps_the_width_rule_on_the_gpu(state_dtype: str) -> None:
+    """``gdfold_verify_or_forward`` on the GPU, the width symbolic (both widths through
+    one graph): at 3 the verify with fold on load, at 0 the fold and then the forward,
+    bit for bit against the reference, fp32 and bf16 pools."""
+    from max.driver import Accelerator
+
+    gpu = Accelerator()
+    case = random_window_case(42, windows=[4, 1, 3, 2], previous_num_accepted=[4, 0, 2, 1], state_dtype=state_dtype)
+    model = InferenceSession(devices=[gpu]).load(_window_graph("fused", case, True, device=DeviceRef.GPU()))
+    for drafts in (3, 0, 3):
+        _assert_width_rule(model, "fused", case, drafts, f"fused on the GPU, {state_dtype} pool, width {drafts}", gpu)
+
+
+def test_with_a_symbolic_width_the_fused_layer_adds_no_branch() -> None:
+    """The fused verify reads a symbolic width in its op (``gdfold_verify_or_forward``),
+    where our verify in MAX's signature branches in the graph (an ``mo.if``)."""
+    fused = str(_window_graph("fused", WIDTH_CASE, True))
+    assert "gdfold_verify_or_forward" in fused and "mo.if" not in fused
+    assert "mo.if" in str(_window_graph("verify", WIDTH_CASE, True))
 
 
 # ---- GPU: MAX's own Gated DeltaNet layer, with random weights ----------------------------
@@ -523,3 +564,46 @@ def test_max_plain_steps_under_patched_forward_run_our_forward_exactly(dtype: DT
     for tokens, a, b in zip(PLAIN_STEPS, ours, theirs, strict=True):
         print(f"[{dtype.name}] {tokens}-token step: layer output beside MAX's: {_distance(a, b)}")
     print(f"[{dtype.name}] pool after the steps beside MAX's: {_distance(our_pool, their_pool)}")
+
+
+def test_verify_or_forward_tiles_its_fold_as_the_fold_op_does() -> None:
+    """At a width of 0 the op folds up to RING_LEN records a block: its fold tile is the
+    fold op's for that RING_LEN (a bf16 K = V = 256 pool at RING_LEN 32 stages too much
+    at the tile of RING_LEN 16, and the GPU build would fail)."""
+    import re
+
+    from gdfold_max.ops.fold import fold_tiling
+
+    case = random_window_case(3, windows=[2, 1], previous_num_accepted=[1, 0], num_value_heads=2, num_key_heads=1,
+                              key_dim=256, value_dim=256, ring_len=32, state_dtype="bfloat16")
+    text = str(_window_graph("fused", case, True))
+    want = fold_tiling(256, 256, DType.bfloat16, ring_len=32)
+    assert want["KEY_DIM_TILE"] < fold_tiling(256, 256, DType.bfloat16, ring_len=16)["KEY_DIM_TILE"]
+    for name, value in want.items():
+        assert re.findall(rf"\b{name} = (\d+)", text) == [str(value)], name
+
+
+@pytest.mark.parametrize(("what", "message"), [
+    ("channel", "decay: verify_or_forward takes head gates"),
+    ("int32 width", "verify_width: expected a rank-1 int64 tensor on the host, got int32"),
+])
+def test_verify_or_forward_refuses_what_it_does_not_take(what: str, message: str) -> None:
+    """Per-channel gates, and a width operand other than MAX's (rank-1 int64 on the
+    host), are refused when the graph is built, naming the argument."""
+    from gdfold_max import verify_or_forward
+
+    c = WIDTH_CASE
+    f32, u32 = DType.float32, DType.uint32
+    heads = c.decay.shape[1]
+    decay = TensorType(f32, ["T", heads, c.state.shape[2]] if what == "channel" else ["T", heads], HOST)
+    width = TensorType(DType.int32 if what == "int32 width" else DType.int64, ["drafts"], HOST)
+    inputs = [TensorType(f32, ["T", c.qkv.shape[1]], HOST), decay, TensorType(f32, ["T", heads], HOST),
+              BufferType(f32, ["rows", *c.state.shape[1:]], HOST),
+              BufferType(f32, ["ring_rows", *c.ring.shape[1:]], HOST),
+              TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), TensorType(u32, ["B1"], HOST),
+              TensorType(u32, ["B"], HOST), TensorType(u32, ["B"], HOST), width]
+    with Graph(f"refused_{what}", input_types=inputs, custom_extensions=[kernels_path()]) as graph:
+        qkv, decay_value, beta, pool, ring, *tables, width_value = graph.inputs
+        with pytest.raises(ValueError, match=message):
+            verify_or_forward(qkv.tensor, decay_value.tensor, beta.tensor, pool.buffer, ring.buffer,
+                              *(t.tensor for t in tables), width_value.tensor)

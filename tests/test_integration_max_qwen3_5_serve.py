@@ -174,6 +174,34 @@ def test_the_max_sources_followed_are_the_ones_read() -> None:
 # --- the carry: tags, halves, counts --------------------------------------------------
 
 
+def test_the_tags_go_through_an_input_stager_beside_max_s() -> None:
+    """Each step's tags are staged as MAX stages its tokens (host staging, a copy behind
+    the queued work) into one buffer per device, reused step after step, by a stager of
+    their own: MAX's keeps exactly its token inputs. A batch over the pipeline's largest
+    is refused by the stager, naming the input."""
+    from types import SimpleNamespace
+
+    from max.driver import CPU
+
+    from gdfold_max.integrations.max_qwen3_5_serve import fused
+
+    runtime = SimpleNamespace(devices=[CPU()], max_global_batch_size=8, max_batch_size=8, max_batch_active_tokens=64,
+                              max_batch_input_tokens=64, max_seq_len=256, enable_chunked_prefill=True,
+                              data_parallel_degree=1, signal_buffers=())
+    processor = fused.FusedMTPBatchProcessor(SimpleNamespace(), runtime)
+    maxs = processor._stager._slots  # MAX's stager, as MAX built it
+    assert fused.CARRY_TAGS not in maxs and len(maxs) == 2
+    first = np.arange(6, dtype=np.uint32).reshape(3, 2) + 1
+    (staged,) = processor.staged_tags(first)
+    assert staged.shape == (3, 2) and np.array_equal(staged.to_numpy(), first)
+    second = np.full((5, 2), 7, np.uint32)
+    (again,) = processor.staged_tags(second)
+    assert np.array_equal(again.to_numpy(), second)
+    assert np.array_equal(staged.to_numpy(), second[:3]), "one buffer, reused"
+    with pytest.raises(RuntimeError, match=fused.CARRY_TAGS):
+        processor.staged_tags(np.zeros((9, 2), np.uint32))
+
+
 def test_request_tags_are_zero_until_a_request_has_generated() -> None:
     from gdfold_max.integrations.max_qwen3_5_serve.ring import request_tag, tag_rows
 
@@ -390,12 +418,14 @@ def test_the_fused_graph_signature_is_max_s_then_the_carry(fused_graph: dict) ->
 
 
 def assert_our_ops_only(text: str, layers: int) -> None:
-    """In a graph's text: per Gated DeltaNet layer one verify with fold on load, and one
-    fold and one forward (its width-0 branch), the conv in the verify and in MAX's conv
-    rollback; none of MAX's verify, forward or fold."""
-    assert text.count('"gdfold_verify_ring_fold_on_load"') == layers
-    assert text.count('"gdfold_state_fold"') == layers
-    assert text.count('"gdfold_recurrence"') == layers
+    """In a graph's text: per Gated DeltaNet layer one verify with fold on load that runs
+    the fold and the forward at a width of 0 (``gdfold_verify_or_forward``, no branch in
+    the graph), the conv in the verify and in MAX's conv rollback; none of MAX's verify,
+    forward or fold."""
+    assert text.count('"gdfold_verify_or_forward"') == layers
+    assert "mo.if" not in text
+    for ours in ("gdfold_verify_ring_fold_on_load", "gdfold_state_fold", "gdfold_recurrence"):
+        assert f'"{ours}"' not in text
     assert text.count('"gated_delta_conv1d_verify_fwd"') == 2 * layers
     for max_op in ("gated_delta_state_fold", "gated_delta_recurrence_verify_ring", "gated_delta_recurrence_fwd"):
         assert f'"{max_op}"' not in text

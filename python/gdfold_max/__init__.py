@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .eager.window import WindowRunner, runner_for
     from .ops.fold import state_fold
     from .ops.kernels import FOLD_OP_NAME, RECURRENCE_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, VERIFY_OP_NAME, kernels_path
-    from .ops.window import recurrence, verify_ring, verify_tree
+    from .ops.window import recurrence, verify_or_forward, verify_ring, verify_tree
 
 try:
     __version__ = version("gdfold_max")
@@ -47,6 +47,7 @@ _LAZY = {
     "recurrence": "ops.window",
     "verify_ring": "ops.window",
     "verify_tree": "ops.window",
+    "verify_or_forward": "ops.window",
     "WindowRunner": "eager.window",
     "runner_for": "eager.window",
 }
@@ -82,4 +83,5 @@ __all__ = [
     "state_fold",
     "verify_ring",
     "verify_tree",
+    "verify_or_forward",
 ]

@@ -43,7 +43,7 @@ from max.graph import BufferValue, TensorType, TensorValue, default_custom_exten
 from ..ops.checks import static_size
 from ..ops.fold import state_fold, when_no_drafts
 from ..ops.kernels import kernels_path
-from ..ops.window import recurrence, verify_ring
+from ..ops.window import recurrence, verify_or_forward, verify_ring
 
 try:
     from max.pipelines.architectures.qwen3_5.layers import gated_deltanet
@@ -195,10 +195,17 @@ def fused_verify(previous_ring_row_id: TensorValue, previous_num_accepted: Tenso
                  ) -> Callable[..., TensorValue]:
     """MAX's verify signature, bound to the previous step's ring rows and counts: the
     previous records fold as the state loads, then the window runs (at a verify width
-    of 0, the fold and then our forward)."""
+    of 0, the fold and then our forward). A width known when the graph is built picks
+    one side then; a symbolic one is read by the op as it runs (:func:`verify_or_forward`),
+    so the layer adds no branch to the graph."""
     def verify(qkv_conv_output: TensorValue, decay_per_token: TensorValue, beta_per_token: TensorValue,
                recurrent_state: BufferValue, ring: BufferValue, slot_idx: TensorValue, ring_slot_idx: TensorValue,
                input_row_offsets: TensorValue, verify_width: TensorValue) -> TensorValue:
+        if verify_width.rank == 1 and static_size(verify_width.shape[0]) is None and decay_per_token.rank == 2:
+            return verify_or_forward(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, ring,
+                                     slot_idx, ring_slot_idx, input_row_offsets, previous_ring_row_id,
+                                     previous_num_accepted, verify_width)
+
         def forward() -> TensorValue:
             state_fold(recurrent_state, ring, ops.unsqueeze(slot_idx, 0), ops.unsqueeze(previous_ring_row_id, 0),
                        previous_num_accepted)

@@ -37,6 +37,9 @@ FOLD_PATH_CHANNEL_OP_NAME = "gdfold_state_fold_path_channel"
 VERIFY_OP_NAME = "gdfold_verify_ring"
 VERIFY_FOLD_ON_LOAD_OP_NAME = "gdfold_verify_ring_fold_on_load"
 RECURRENCE_OP_NAME = "gdfold_recurrence"
+#: The verify with fold on load, or at a verify width of 0 (MAX's operand, read on the
+#: host as the op runs) the fold and then the forward; head gates.
+VERIFY_OR_FORWARD_OP_NAME = "gdfold_verify_or_forward"
 #: The tree verify (a ``parents`` table: each window a token tree), with and without fold
 #: on load of the previous accepted path; on a GPU, the latency kernel.
 VERIFY_TREE_OP_NAME = "gdfold_verify_tree"
@@ -50,6 +53,7 @@ REGISTERED_OPS = (
     FOLD_CHANNEL_OP_NAME,
     FOLD_PATH_OP_NAME,
     FOLD_PATH_CHANNEL_OP_NAME,
+    VERIFY_OR_FORWARD_OP_NAME,
     *(name + suffix for name in (VERIFY_OP_NAME, VERIFY_FOLD_ON_LOAD_OP_NAME, RECURRENCE_OP_NAME,
                                  VERIFY_TREE_OP_NAME, VERIFY_TREE_FOLD_ON_LOAD_OP_NAME)
       for suffix in ("", CHANNEL_OP_SUFFIX)),

@@ -20,11 +20,13 @@ from max.graph import BufferValue, DeviceRef, Dim, TensorType, TensorValue, ops
 from ..layout import Gate
 from ..trees import previous_path_given
 from .checks import check_tree_table_shape, parent_table, pool_dims, ring_parameters, row_table, shape_text, static_size
+from .fold import fold_tiling
 from .kernels import (
     CHANNEL_OP_SUFFIX,
     RECURRENCE_OP_NAME,
     VERIFY_FOLD_ON_LOAD_OP_NAME,
     VERIFY_OP_NAME,
+    VERIFY_OR_FORWARD_OP_NAME,
     VERIFY_TREE_FOLD_ON_LOAD_OP_NAME,
     VERIFY_TREE_OP_NAME,
 )
@@ -58,6 +60,9 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: throughput kernel's staging does not fit an SM at the default tile (a large K with a
 #: fold on load: K = 256, and from K = 208 at a 64-column tile).
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
+#: The warps a tree verify's unit may share its leaves among (``verify_tree``'s
+#: ``leaf_warps``; mojo/window_launch.mojo, tree_leaves_shared).
+TREE_LEAF_WARPS = 4
 
 
 class WindowTiling(TypedDict, total=False):
@@ -204,6 +209,12 @@ def _check_vector(name: str, value: TensorValue) -> TensorValue:
     return row_table(name, value)
 
 
+def _previous_tables(previous_ring_row_ids: TensorValue, previous_num_accepted: TensorValue) -> list[TensorValue]:
+    """The previous step's ring rows and counts, checked: what a fold on load reads."""
+    return [_check_vector("previous_ring_row_ids", previous_ring_row_ids),
+            _check_vector("previous_num_accepted", previous_num_accepted)]
+
+
 def _window_op(name: str, qkv: TensorValue, recurrent_state: BufferValue, operands: list[TensorValue | BufferValue],
                parameters: dict[str, int]) -> TensorValue:
     """Runs window op ``name`` in place on the pool and the ring among ``operands``;
@@ -326,15 +337,72 @@ def verify_ring(
         raise ValueError("previous_ring_row_ids, previous_num_accepted: give both for fold on load, or neither")
     if previous_ring_row_ids is not None and previous_num_accepted is not None:
         name = VERIFY_FOLD_ON_LOAD_OP_NAME
-        tables += [
-            _check_vector("previous_ring_row_ids", previous_ring_row_ids),
-            _check_vector("previous_num_accepted", previous_num_accepted),
-        ]
+        tables += _previous_tables(previous_ring_row_ids, previous_num_accepted)
     op_parameters: dict[str, int] = {"K": parameters["K"], "V": value_dim, "RING_LEN": parameters["RING_LEN"]}
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
     op_parameters.update(tiling)
     return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables], op_parameters)
+
+
+def verify_or_forward(
+    qkv: TensorValue,
+    decay: TensorValue,
+    beta: TensorValue,
+    recurrent_state: BufferValue,
+    ring: BufferValue,
+    row_ids: TensorValue,
+    ring_row_ids: TensorValue,
+    input_row_offsets: TensorValue,
+    previous_ring_row_ids: TensorValue,
+    previous_num_accepted: TensorValue,
+    verify_width: TensorValue,
+    *,
+    column_tile: int | None = None,
+    requests_per_block: int | None = None,
+    gpu_path: str = "auto",
+) -> TensorValue:
+    """:func:`verify_ring` with fold on load where ``verify_width`` has a nonzero length,
+    and where its length is 0 the fold of the previous records
+    (:func:`gdfold_max.state_fold` over ``previous_ring_row_ids`` as a one-layer table)
+    and then :func:`recurrence`, which commits the pool and records nothing: what a
+    speculative step does on a verify and on a step without drafts (a prefill). The
+    length is read on the host as the op runs (op ``gdfold_verify_or_forward``), so a
+    graph whose draft width is symbolic needs no branch; the bits are those of the ops
+    named. Head gates (``decay`` ``[T, nv]``).
+
+    Args:
+        qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids, input_row_offsets,
+        previous_ring_row_ids, previous_num_accepted, column_tile, requests_per_block,
+            gpu_path: as for :func:`verify_ring` with fold on load.
+        verify_width: MAX's verify width operand (``max.nn.state_space.verify_width_operand``):
+            a rank-1 int64 tensor on the host whose length is the draft width.
+
+    Returns:
+        The readout, ``[T, nv*V]`` float32.
+
+    Raises:
+        ValueError: as :func:`verify_ring` does; for per-channel gates; for a
+            ``verify_width`` that is not a rank-1 int64 tensor on the host.
+    """
+    if decay.rank != 2:
+        raise ValueError(f"decay: verify_or_forward takes head gates ([T, nv]), got shape"
+                         f" {shape_text(list(decay.shape))}")
+    parameters, _, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
+                                                   ring_row_ids, input_row_offsets)
+    if verify_width.rank != 1 or verify_width.dtype != DType.int64 or not verify_width.device.is_cpu():
+        raise ValueError(f"verify_width: expected a rank-1 int64 tensor on the host, got {verify_width.dtype.name}"
+                         f" {shape_text(list(verify_width.shape))} on {verify_width.device}")
+    check_window_device(recurrent_state.device)
+    key_dim, value_dim = parameters["K"], parameters["V"]
+    tables += _previous_tables(previous_ring_row_ids, previous_num_accepted)
+    op_parameters = ({"K": key_dim, "V": value_dim, "RING_LEN": parameters["RING_LEN"]}
+                     | gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block,
+                                  fold_on_load=True, gpu_path=gpu_path)
+                     # The fold at a width of 0 stages up to RING_LEN records a block.
+                     | fold_tiling(key_dim, value_dim, recurrent_state.dtype, ring_len=parameters["RING_LEN"]))
+    return _window_op(VERIFY_OR_FORWARD_OP_NAME, qkv, recurrent_state,
+                      [qkv, decay, beta, recurrent_state, ring, *tables, verify_width], op_parameters)
 
 
 def verify_tree(
@@ -351,6 +419,7 @@ def verify_tree(
     previous_ring_row_ids: TensorValue | None = None,
     previous_num_accepted: TensorValue | None = None,
     previous_accepted_nodes: TensorValue | None = None,
+    leaf_warps: int = 1,
 ) -> TensorValue:
     """Runs each request's window as a token tree, recording into the ring; returns every
     node's readout. On the CPU, or on an NVIDIA Hopper GPU on the latency kernel (the
@@ -388,13 +457,21 @@ def verify_tree(
         previous_accepted_nodes: ``[batch, RING_LEN]`` integer table (cast to uint32),
             fold on load: the previous path's nodes, in increasing order; entries past
             ``previous_num_accepted[b]`` are not read.
+        leaf_warps: GPU only, 1 (default) or :data:`TREE_LEAF_WARPS`: with 4, where the
+            launch is small enough for every unit's four warps to be resident at once
+            (up to 2 units an SM), a unit (a request's slab of one value head) is four
+            warps that each step every inner node and a quarter of the leaves, so a
+            unit's chain of steps is shorter; larger launches run one warp a unit. The
+            same bits either way; which is faster is for ``bench-step --tree`` to say,
+            and 1 stays the default until it has.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, for only
-            some of the three previous tables, or a GPU that is not a Hopper. At run
+            some of the three previous tables, a ``leaf_warps`` other than 1 or 4, or a
+            GPU that is not a Hopper. At run
             time on the CPU, before anything is written: a bad id or offsets, a window
             longer than RING_LEN, a parent that is not -1 or an earlier node of its
             window, a previous path with a node past the ring or out of order, a ring row
@@ -404,6 +481,8 @@ def verify_tree(
             :func:`verify_ring` does for a bad id.
     """
     check_window_device(recurrent_state.device)
+    if leaf_warps not in (1, TREE_LEAF_WARPS):
+        raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     ring_len = parameters["RING_LEN"]
@@ -416,15 +495,12 @@ def verify_tree(
         name = VERIFY_TREE_FOLD_ON_LOAD_OP_NAME
         check_tree_table_shape("previous_accepted_nodes", list(previous_accepted_nodes.shape),
                                row_ids.shape[0], ring_len)
-        tables += [
-            _check_vector("previous_ring_row_ids", previous_ring_row_ids),
-            _check_vector("previous_num_accepted", previous_num_accepted),
-            row_table("previous_accepted_nodes", previous_accepted_nodes),
-        ]
+        tables += [*_previous_tables(previous_ring_row_ids, previous_num_accepted),
+                   row_table("previous_accepted_nodes", previous_accepted_nodes)]
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
     return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables],
-                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len})
+                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len, "LEAF_WARPS": leaf_warps})
 
 
 def recurrence(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from types import ModuleType
 from typing import Any, ClassVar
 
+import numpy as np
 from max.driver import Buffer
 from max.dtype import DType
 from max.engine import InferenceSession, Model
@@ -44,6 +45,7 @@ from max.pipelines.architectures.unified_mtp_qwen3_5.state_rollback import (
     replay_conv_pools,
 )
 from max.pipelines.architectures.unified_mtp_qwen3_5.unified_mtp_qwen3_5 import UnifiedMTPQwen3_5
+from max.pipelines.graph_input_stager import GraphInputStager, InputDescriptor
 from max.support.algorithm import flatten2d
 
 from ...ops.kernels import kernels_path
@@ -222,25 +224,45 @@ class FusedMTPInputs(UnifiedMTPQwen3_5Inputs):
 class FusedMTPBatchProcessor(UnifiedMTPQwen3_5BatchProcessor):
     """MAX's batch (``unified_mtp_qwen3_5/batch_processor.py:143-195``) plus each
     request's tag and the carry tables, one per device, allocated zeroed on first use
-    with a row per ring block and kept for the life of the pipeline."""
+    with a row per ring block and kept for the life of the pipeline.
 
-    _tables: list[Buffer]
+    The tags go through an input stager (``max/pipelines/graph_input_stager.py``), as
+    MAX's own tokens do through MAX's: written into host staging and copied behind the
+    step before, where an upload from pageable memory could hold the host until the
+    device is idle, and so stop MAX's overlap scheduler from preparing a step while the
+    one before runs. The stager is our own, beside MAX's, so that MAX's token inputs keep
+    their stager and their one copy."""
+
+    def __init__(self, config: Any, runtime: Any) -> None:
+        super().__init__(config, runtime)
+        self._tables: list[Buffer] = []
+        # The tags are the same on every device: one host staging, a copy to each.
+        self._tag_stager = GraphInputStager([InputDescriptor(
+            name=CARRY_TAGS, dtype=DType.uint32, max_shape=(runtime.max_global_batch_size, 2),
+            destinations=list(runtime.devices))])
+
+    def staged_tags(self, tags: np.ndarray) -> list[Buffer]:
+        """Each device's ``[batch, 2]`` tags input holding ``tags``, copied from host
+        staging behind the work already queued there (the same buffers every step)."""
+        with self._tag_stager.stage() as staging:
+            host, devices = staging.get(CARRY_TAGS, tags.shape)
+            np.copyto(host.to_numpy(), tags)
+        return list(devices)
 
     def prepare_initial_token_inputs(self, replica_batches: Any, kv_cache_inputs: Any = None,
                                      return_n_logits: int = 1) -> FusedMTPInputs:
         base = super().prepare_initial_token_inputs(replica_batches, kv_cache_inputs, return_n_logits)
         contexts = flatten2d(replica_batches)
-        tables = getattr(self, "_tables", None) or []
+        tables = self._tables
         carry_tables: list[Buffer] = []
-        carry_tags: list[Buffer] = []
         for i, (pool, rows) in enumerate(zip(base.ring_pools, base.ring_row_ids, strict=True)):
             blocks = pool.shape[0] // rows.shape[0]
             if len(tables) <= i or tables[i].shape[0] != blocks:
                 tables[i:i + 1] = [Buffer.zeros(shape=[blocks, 4], dtype=DType.uint32, device=pool.device)]
             carry_tables.append(tables[i])
-            tags = tag_rows([request_tag(c.request_id, c.tokens.generated_length) for c in contexts], rows.shape[1])
-            carry_tags.append(Buffer.from_numpy(tags).to(pool.device))
-        self._tables = tables
+        batch = base.ring_row_ids[0].shape[1]
+        carry_tags = self.staged_tags(
+            tag_rows([request_tag(c.request_id, c.tokens.generated_length) for c in contexts], batch))
         values = {f.name: getattr(base, f.name) for f in fields(base) if f.init}
         return FusedMTPInputs(**values, carry_tables=carry_tables, carry_tags=carry_tags)
 

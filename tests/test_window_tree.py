@@ -417,6 +417,11 @@ def test_graph_refuses_bad_tables() -> None:
 
 
 
+def test_the_runner_refuses_a_leaf_warps_the_kernel_does_not_take() -> None:
+    with pytest.raises(ValueError, match=r"leaf_warps: 3 must be 1 or 4"):
+        WindowRunner("cpu", leaf_warps=3)
+
+
 def test_a_graph_casts_parents_without_wrapping() -> None:
     """In a graph, ``parents`` of any integer dtype become int32: -1 stays the committed
     state, and an entry below -1 or past int32 becomes -2, which the CPU op refuses,

@@ -34,7 +34,7 @@ from max.gpu.host import DeviceContext
 from std.utils import IndexList
 
 from .fold_launch import run_fold
-from .window_launch import run_windows
+from .window_launch import check_length, run_windows
 from .window_operands import WindowOperands
 
 # The column tile run_windows is instantiated with for the tree ops, which never run on
@@ -166,6 +166,16 @@ def verify_or_forward[
             target, K, V, RING_LEN, COLUMN_TILE, REQUESTS_PER_BLOCK, GPU_PATH, True, True,
         ](verify, ctx)
         return
+    # The fold checks its tables under its own names (ring_row_ids, num_accepted): check
+    # the previous step's first, under theirs, as the verify side does.
+    check_length(
+        "previous_ring_row_ids", verify.previous_ring_row_ids_len, verify.batch,
+        "the batch of row_ids",
+    )
+    check_length(
+        "previous_num_accepted", verify.previous_accepted_len, verify.batch,
+        "the batch of row_ids",
+    )
     run_fold[target, dtype, K, V, RING_LEN, KEY_DIM_TILE, ROWS_PER_THREAD, False, False](
         rebind[Pointer[Scalar[dtype], MutAnyOrigin]](verify.state), verify.state_dims,
         rebind[Pointer[Float32, MutAnyOrigin]](verify.ring), verify.ring_dims,

@@ -132,9 +132,11 @@ def test_max_rollback_under_patched_is_bit_exact_on_the_cpu(rollback_model: obje
 
 
 def _window_graph(kind: str, case: object, symbolic: bool, module: GraphModule | None = None,
-                  device: DeviceRef = HOST) -> Graph:
+                  device: DeviceRef = HOST, previous_dims: tuple[str, str] = ("B", "B")) -> Graph:
     """Our verify in MAX's signature (``verify``) or the fused one, the operands on
-    ``device``; the width, as in MAX's graph, a host tensor whose length is the count."""
+    ``device``; the width, as in MAX's graph, a host tensor whose length is the count.
+    The previous step's two tables have the lengths ``previous_dims`` (names other than
+    ``B`` let them differ from the batch, which only the op then checks)."""
     c = case
     f32, u32 = DType.float32, DType.uint32
     pool_dtype = DType.bfloat16 if c.state.dtype.name == "bfloat16" else f32  # type: ignore[attr-defined]
@@ -144,9 +146,10 @@ def _window_graph(kind: str, case: object, symbolic: bool, module: GraphModule |
               BufferType(pool_dtype, ["rows", *c.state.shape[1:]], device),  # type: ignore[attr-defined]
               BufferType(f32, ["ring_rows", *c.ring.shape[1:]], device),  # type: ignore[attr-defined]
               TensorType(u32, ["B"], device), TensorType(u32, ["B"], device), TensorType(u32, ["B1"], device),
-              TensorType(u32, ["B"], device), TensorType(u32, ["B"], device),
+              *(TensorType(u32, [dim], device) for dim in previous_dims),
               TensorType(DType.int64, [width_dim], HOST)]
-    name = f"{kind}_{symbolic}" + ("" if device == HOST else f"_{pool_dtype.name}_gpu")
+    name = (f"{kind}_{symbolic}" + ("" if device == HOST else f"_{pool_dtype.name}_gpu")
+            + ("" if previous_dims == ("B", "B") else "_previous_apart"))
     with Graph(name, input_types=inputs, custom_extensions=[kernels_path()], module=module) as graph:
         qkv, decay, beta, pool, ring, rows, ring_rows, offsets, previous, accepted, width = graph.inputs
         verify = (max_qwen3_5.verify_like_max if kind == "verify"
@@ -170,6 +173,7 @@ def width_models() -> dict[str, Model]:
     module = GraphModule()
     for kind, symbolic in WIDTH_GRAPHS:
         _window_graph(kind, WIDTH_CASE, symbolic, module)
+    _window_graph("fused", WIDTH_CASE, True, module, previous_dims=("P", "Q"))
     return InferenceSession(devices=[CPU()]).load_all(module, custom_extensions=[kernels_path()])
 
 
@@ -564,6 +568,30 @@ def test_max_plain_steps_under_patched_forward_run_our_forward_exactly(dtype: DT
     for tokens, a, b in zip(PLAIN_STEPS, ours, theirs, strict=True):
         print(f"[{dtype.name}] {tokens}-token step: layer output beside MAX's: {_distance(a, b)}")
     print(f"[{dtype.name}] pool after the steps beside MAX's: {_distance(our_pool, their_pool)}")
+
+
+@pytest.mark.parametrize("drafts", [3, 0])
+@pytest.mark.parametrize("table", ["previous_ring_row_ids", "previous_num_accepted"])
+def test_the_fused_verify_names_a_previous_table_of_another_batch(width_models: dict[str, Model], drafts: int,
+                                                                  table: str) -> None:
+    """A previous-step table one entry longer than the batch is refused by its own name
+    at either width (at 0 the op runs the fold, which would name its own tables), and
+    nothing is written."""
+    from gdfold_max.eager.base import host_buffer
+
+    case = WIDTH_CASE
+    previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
+                "previous_num_accepted": case.previous_num_accepted}
+    previous[table] = np.append(previous[table], np.uint32(0))
+    pool, ring = case.fresh()
+    tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, *previous.values())
+    batch = len(case.row_ids)
+    with pytest.raises(Exception, match=rf"{table}: length {batch + 1} differs from the batch of row_ids \({batch}\)"):
+        width_models["fused_True_previous_apart"].execute(
+            *(host_buffer(a) for a in case.tokens()), host_buffer(pool), host_buffer(ring),
+            *(host_buffer(t) for t in tables), Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+    assert_bits_equal(pool, case.state, "the pool")
+    assert_bits_equal(ring, case.ring, "the ring")
 
 
 def test_verify_or_forward_tiles_its_fold_as_the_fold_op_does() -> None:

@@ -42,7 +42,7 @@ runs chains only.
 
 A tree unit may be LEAF_WARPS warps (a launch with few units: window_launch.mojo): every
 warp steps the inner nodes from the same loads, with the same bits, and each steps its
-share of the leaves (node % LEAF_WARPS), so a unit's chain of steps is its inner nodes
+share of the leaves (every LEAF_WARPS-th leaf), so a unit's chain of steps is its inner nodes
 and a share of its leaves rather than all its nodes. The block's first warp stages the
 tokens for all of them, and block barriers stand where the one warp's barriers stand.
 What several warps store twice (an inner node's readout and record, the fold on load's
@@ -54,6 +54,7 @@ from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_i
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
+from std.bit import pop_count
 from std.math import fma
 from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
@@ -716,14 +717,16 @@ def step_leaves[
     """Steps the leaves (nodes outside `inner`) whose parent is `parent` (-1: the
     committed state) on the held state, `parent`'s, which they leave as it was
     (leaf_token): each one's readout, and its delta columns into its record. Of a unit
-    of LEAF_WARPS warps, warp `leaf_warp` steps the leaves with node % LEAF_WARPS ==
-    leaf_warp."""
+    of LEAF_WARPS warps, warp `leaf_warp` steps the window's leaves whose rank among its
+    leaves is leaf_warp modulo LEAF_WARPS."""
     var slot = slab_slot[CV](lane)
     for node in range(parent + 1, window):
         if (inner >> node) & 1 != 0:
             continue
         comptime if LEAF_WARPS > 1:
-            if node % LEAF_WARPS != leaf_warp:
+            # The leaves before this one: every LEAF_WARPS-th leaf of the window is this
+            # warp's, so each warp has its share whatever order the window lists them in.
+            if pop_count(~inner & ((1 << node) - 1)) % LEAF_WARPS != leaf_warp:
                 continue
         if Int(parents[unsafe_offset=request * RING_LEN + node]) != parent:
             continue

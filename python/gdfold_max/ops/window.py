@@ -325,6 +325,18 @@ def verify_ring(
             and recorded into, before anything is written. On the GPU, a request with
             an out-of-range id is skipped and its readout is NaN.
     """
+    name, operands, parameters = _verify_op(qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids,
+                                            input_row_offsets, previous_ring_row_ids, previous_num_accepted,
+                                            column_tile, requests_per_block, gpu_path)
+    return _window_op(name, qkv, recurrent_state, operands, parameters)
+
+
+def _verify_op(qkv: TensorValue, decay: TensorValue, beta: TensorValue, recurrent_state: BufferValue,
+               ring: BufferValue, row_ids: TensorValue, ring_row_ids: TensorValue, input_row_offsets: TensorValue,
+               previous_ring_row_ids: TensorValue | None, previous_num_accepted: TensorValue | None,
+               column_tile: int | None, requests_per_block: int | None, gpu_path: str
+               ) -> tuple[str, list[TensorValue | BufferValue], dict[str, int]]:
+    """:func:`verify_ring`'s op, checked: its name, operands and parameters."""
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     check_window_device(recurrent_state.device)
@@ -342,7 +354,7 @@ def verify_ring(
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
     op_parameters.update(tiling)
-    return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables], op_parameters)
+    return name, [qkv, decay, beta, recurrent_state, ring, *tables], op_parameters
 
 
 def verify_or_forward(
@@ -388,21 +400,16 @@ def verify_or_forward(
     if decay.rank != 2:
         raise ValueError(f"decay: verify_or_forward takes head gates ([T, nv]), got shape"
                          f" {shape_text(list(decay.shape))}")
-    parameters, _, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
-                                                   ring_row_ids, input_row_offsets)
     if verify_width.rank != 1 or verify_width.dtype != DType.int64 or not verify_width.device.is_cpu():
         raise ValueError(f"verify_width: expected a rank-1 int64 tensor on the host, got {verify_width.dtype.name}"
                          f" {shape_text(list(verify_width.shape))} on {verify_width.device}")
-    check_window_device(recurrent_state.device)
-    key_dim, value_dim = parameters["K"], parameters["V"]
-    tables += _previous_tables(previous_ring_row_ids, previous_num_accepted)
-    op_parameters = ({"K": key_dim, "V": value_dim, "RING_LEN": parameters["RING_LEN"]}
-                     | gpu_tiling(recurrent_state.dtype, key_dim, value_dim, column_tile, requests_per_block,
-                                  fold_on_load=True, gpu_path=gpu_path)
-                     # The fold at a width of 0 stages up to RING_LEN records a block.
-                     | fold_tiling(key_dim, value_dim, recurrent_state.dtype, ring_len=parameters["RING_LEN"]))
-    return _window_op(VERIFY_OR_FORWARD_OP_NAME, qkv, recurrent_state,
-                      [qkv, decay, beta, recurrent_state, ring, *tables, verify_width], op_parameters)
+    # The verify with fold on load's operands and parameters, then the width.
+    _, operands, parameters = _verify_op(qkv, decay, beta, recurrent_state, ring, row_ids, ring_row_ids,
+                                         input_row_offsets, previous_ring_row_ids, previous_num_accepted,
+                                         column_tile, requests_per_block, gpu_path)
+    # The fold at a width of 0 stages up to RING_LEN records a block.
+    parameters |= fold_tiling(parameters["K"], parameters["V"], recurrent_state.dtype, ring_len=parameters["RING_LEN"])
+    return _window_op(VERIFY_OR_FORWARD_OP_NAME, qkv, recurrent_state, [*operands, verify_width], parameters)
 
 
 def verify_tree(

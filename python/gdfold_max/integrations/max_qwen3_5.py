@@ -201,7 +201,7 @@ def fused_verify(previous_ring_row_id: TensorValue, previous_num_accepted: Tenso
     def verify(qkv_conv_output: TensorValue, decay_per_token: TensorValue, beta_per_token: TensorValue,
                recurrent_state: BufferValue, ring: BufferValue, slot_idx: TensorValue, ring_slot_idx: TensorValue,
                input_row_offsets: TensorValue, verify_width: TensorValue) -> TensorValue:
-        if verify_width.rank == 1 and static_size(verify_width.shape[0]) is None and decay_per_token.rank == 2:
+        def either() -> TensorValue:
             return verify_or_forward(qkv_conv_output, decay_per_token, beta_per_token, recurrent_state, ring,
                                      slot_idx, ring_slot_idx, input_row_offsets, previous_ring_row_id,
                                      previous_num_accepted, verify_width)
@@ -217,15 +217,20 @@ def fused_verify(previous_ring_row_id: TensorValue, previous_num_accepted: Tenso
                                ring_slot_idx, input_row_offsets, previous_ring_row_ids=previous_ring_row_id,
                                previous_num_accepted=previous_num_accepted)
 
-        return _by_width(verify_width, qkv_conv_output, recurrent_state, forward, record)
+        # verify_or_forward takes head gates; per-channel ones branch in the graph.
+        return _by_width(verify_width, qkv_conv_output, recurrent_state, forward, record,
+                         either if decay_per_token.rank == 2 else None)
 
     return verify
 
 
 def _by_width(verify_width: TensorValue, qkv: TensorValue, recurrent_state: BufferValue,
-              forward: Callable[[], TensorValue], record: Callable[[], TensorValue]) -> TensorValue:
+              forward: Callable[[], TensorValue], record: Callable[[], TensorValue],
+              either: Callable[[], TensorValue] | None = None) -> TensorValue:
     """``forward()`` at a verify width of 0, ``record()`` at any other: chosen when the
-    graph is built where the width is static, and as it runs where it is symbolic."""
+    graph is built where the width is static, and as it runs where it is symbolic, by
+    ``either()`` (one op that reads the width itself) where given, else by a branch in
+    the graph."""
     if verify_width.rank != 1:
         raise ValueError(f"verify_width: expected rank 1 [K], got rank {verify_width.rank}")
     width = static_size(verify_width.shape[0])
@@ -233,6 +238,8 @@ def _by_width(verify_width: TensorValue, qkv: TensorValue, recurrent_state: Buff
         return forward()
     if width is not None:
         return record()
+    if either is not None:
+        return either()
     readout = TensorType(DType.float32, [qkv.shape[0], recurrent_state.shape[1] * recurrent_state.shape[3]],
                          recurrent_state.device)
     return when_no_drafts(verify_width, [readout], forward, record)[0]

@@ -196,18 +196,10 @@ def _assert_width_rule(model: Model, kind: str, case: Any, drafts: int, what: st
     None) and checks the readout, the pool and the ring against the reference, bit for
     bit: at a width of 0 the forward (fused: after the previous records fold), else the
     verify (fused: with fold on load)."""
-    from gdfold_max.eager.base import copy_back, host_buffer
-
     tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, case.previous_ring_row_ids,
               case.previous_num_accepted)
     pool, ring = case.fresh()
-    upload = host_buffer if device is None else (lambda a: host_buffer(a).to(device))
-    pool_buffer, ring_buffer = upload(pool), upload(ring)
-    (out,) = model.execute(*(upload(a) for a in case.tokens()), pool_buffer, ring_buffer,
-                           *(upload(t) for t in tables), Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
-    if device is not None:
-        copy_back(pool_buffer, pool)
-        copy_back(ring_buffer, ring)
+    out = _run_width(model, case, drafts, pool, ring, tables, device)
     want_pool, want_ring = case.fresh()
     previous = {}
     if kind == "fused":
@@ -222,9 +214,26 @@ def _assert_width_rule(model: Model, kind: str, case: Any, drafts: int, what: st
                            case.previous_num_accepted)
         want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
                                     num_key_heads=case.num_key_heads)
-    assert_bits_equal(out.to(CPU()).to_numpy(), want, f"{what}: readout")
+    assert_bits_equal(out, want, f"{what}: readout")
     assert_bits_equal(pool, want_pool, f"{what}: pool")
     assert_bits_equal(ring, want_ring, f"{what}: ring")
+
+
+def _run_width(model: Model, case: Any, drafts: int, pool: np.ndarray, ring: np.ndarray, tables: tuple[Any, ...],
+               device: Any = None) -> np.ndarray:
+    """Runs ``model`` on the case's tokens, ``pool``, ``ring`` (written back in place),
+    ``tables`` and a width of ``drafts``, the operands uploaded to ``device`` (the host,
+    sharing the arrays, when None); returns the readout."""
+    from gdfold_max.eager.base import copy_back, host_buffer
+
+    upload = host_buffer if device is None else (lambda a: host_buffer(a).to(device))
+    pool_buffer, ring_buffer = upload(pool), upload(ring)
+    (out,) = model.execute(*(upload(a) for a in case.tokens()), pool_buffer, ring_buffer,
+                           *(upload(t) for t in tables), Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+    if device is not None:
+        copy_back(pool_buffer, pool)
+        copy_back(ring_buffer, ring)
+    return np.asarray(out.to(CPU()).to_numpy())
 
 
 @pytest.mark.gpu
@@ -577,8 +586,6 @@ def test_the_fused_verify_names_a_previous_table_of_another_batch(width_models: 
     """A previous-step table one entry longer than the batch is refused by its own name
     at either width (at 0 the op runs the fold, which would name its own tables), and
     nothing is written."""
-    from gdfold_max.eager.base import host_buffer
-
     case = WIDTH_CASE
     previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
                 "previous_num_accepted": case.previous_num_accepted}
@@ -587,9 +594,7 @@ def test_the_fused_verify_names_a_previous_table_of_another_batch(width_models: 
     tables = (case.row_ids, case.ring_row_ids, case.input_row_offsets, *previous.values())
     batch = len(case.row_ids)
     with pytest.raises(Exception, match=rf"{table}: length {batch + 1} differs from the batch of row_ids \({batch}\)"):
-        width_models["fused_True_previous_apart"].execute(
-            *(host_buffer(a) for a in case.tokens()), host_buffer(pool), host_buffer(ring),
-            *(host_buffer(t) for t in tables), Buffer.from_numpy(np.arange(drafts, dtype=np.int64)))
+        _run_width(width_models["fused_True_previous_apart"], case, drafts, pool, ring, tables)
     assert_bits_equal(pool, case.state, "the pool")
     assert_bits_equal(ring, case.ring, "the ring")
 

@@ -59,7 +59,10 @@ comptime GPU_PATH_THROUGHPUT = 2
 # H200 the latency kernel as it stands was slower at every batch from 1 to 256 (fp32,
 # 1.20x the throughput kernel's fused step at batch 1, 2.1x at 256;
 # bench/results/paths-h200-2026-12-01.txt), so "auto" runs the throughput kernel until
-# the latency kernel wins somewhere (docs/tuning-log.md says where its time may go).
+# the latency kernel wins somewhere (docs/tuning-log.md says where its time may go). On an
+# H100 it led at a window of 1, batch 1, in bf16 by 1.02x to 1.13x (docs/performance.md,
+# "Both kernels at a window of 1"); a rule for one-token windows waits on fp32 and
+# batches 2 and 4 measured in one process.
 comptime LATENCY_WARPS_PER_SM = 0
 
 

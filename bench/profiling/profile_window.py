@@ -9,7 +9,9 @@ float32 (the default) or bfloat16. VARIANT is `fused` (the default) or `forward`
 same kernel without records, whose counts beside the fused one's say what the records
 cost. GPU_PATH is the window kernel, as `gpu_path` of the ops: auto (the default),
 latency or throughput (COLUMN_TILE and REQUESTS_PER_BLOCK shape the throughput
-kernel only).
+kernel only). VARIANT `tree:NODESxDEPTH` (e.g. `tree:16x5`) runs the tree verify with
+fold on load of the spine instead, over the tree `bench-step --tree` times (the
+latency kernel's tree unit; COLUMN_TILE, REQUESTS_PER_BLOCK and GPU_PATH unused).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from max.engine import InferenceSession
 
 from gdfold_max.bench.harness import FoldShape
 from gdfold_max.bench.step import StepGraphs, make_step_operands
+from gdfold_max.bench.tree import TreeShape, TreeStepGraphs
 from gdfold_max.ops.window import GPU_PATHS
 
 
@@ -31,8 +34,11 @@ def main() -> None:
     if dtype_name not in ("float32", "bfloat16"):
         sys.exit(f"DTYPE: float32 or bfloat16, got {dtype_name!r}")
     variant = sys.argv[5] if len(sys.argv) > 5 else "fused"
+    if variant.startswith("tree:"):
+        run_tree(TreeShape.parse(variant.removeprefix("tree:")), batch, getattr(DType, dtype_name))
+        return
     if variant not in ("fused", "forward"):
-        sys.exit(f"VARIANT: fused or forward, got {variant!r}")
+        sys.exit(f"VARIANT: fused, forward or tree:NODESxDEPTH, got {variant!r}")
     gpu_path = sys.argv[6] if len(sys.argv) > 6 else "auto"
     if gpu_path not in GPU_PATHS:
         sys.exit(f"GPU_PATH: one of {', '.join(GPU_PATHS)}, got {gpu_path!r}")
@@ -44,6 +50,18 @@ def main() -> None:
     graphs.compile_all([variant], [state_dtype], chained=False)
     operands = make_step_operands(device, shape, batch, state_dtype)
     model = graphs.model(variant, state_dtype, 1)
+    for _ in range(3):
+        model.execute(*operands)
+    device.synchronize()
+
+
+def run_tree(tree: TreeShape, batch: int, state_dtype: DType) -> None:
+    """One layer's tree verify with fold on load, three times."""
+    device = Accelerator()
+    graphs = TreeStepGraphs(InferenceSession(devices=[device]), device, FoldShape(num_layers=1), tree, 2)
+    graphs.compile_all(["tree"], [state_dtype], chained=False)
+    operands = graphs.operands("tree", batch, state_dtype)
+    model = graphs.model("tree", state_dtype, 1)
     for _ in range(3):
         model.execute(*operands)
     device.synchronize()

@@ -24,12 +24,11 @@ import argparse
 import asyncio
 import os
 import runpy
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running, wait_ready
+from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, max_command, running, wait_ready
 
 HERE = Path(__file__).resolve().parent
 MODULE = "gdfold_max.integrations.max_qwen3_5_serve"
@@ -39,14 +38,13 @@ PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45], [300]]
 def command(folder: Path, port: int, mode: str, draft: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``max serve`` command line and its environment: MTP, or DFlash2 with the
     drafter in ``draft`` (a bf16 target: MAX 26.7 runs the drafter in bf16)."""
-    exe = Path(sys.executable).with_name("max")
     if draft is None:
         speculative = ["--quantization-encoding", "float32", "--speculative-method", "mtp",
                        "--num-speculative-tokens", "3"]
     else:
         speculative = ["--quantization-encoding", "bfloat16", "--speculative-method", "dflash2",
                        "--draft-model-path", str(draft), "--draft-quantization-encoding", "bfloat16"]
-    argv = [str(exe) if exe.exists() else "max", "serve", "--model-path", str(folder),
+    argv = [*max_command(), "serve", "--model-path", str(folder),
             "--weight-path", str(folder / "model.safetensors"), *speculative,
             "--max-length", "256", "--max-batch-size", "8", "--device-memory-utilization", "0.1",
             "--no-device-graph-capture", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny"]

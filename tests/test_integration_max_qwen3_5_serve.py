@@ -64,6 +64,22 @@ def test_the_mode_flag_names_the_variable_and_the_value() -> None:
         serve.architectures("nope")
 
 
+def test_max_s_cli_runs_without_its_script_on_the_way(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A MAX installed with ``pip install --target`` has no ``max`` beside the Python nor on
+    ``PATH``: the command then runs MAX's own entry point with this Python, and it serves."""
+    from gdfold_max.integrations.max_qwen3_5_serve import server
+
+    python = sys.executable
+    monkeypatch.setattr(server.sys, "executable", str(tmp_path / "python3"))
+    monkeypatch.setattr(server.shutil, "which", lambda name: None)
+    command = server.max_command()
+    assert command == [str(tmp_path / "python3"), "-c", server.MAX_ENTRY]
+    run = subprocess.run([python, *command[1:], "serve", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Usage: max serve" in run.stdout
+
+
 def test_a_bad_mode_stops_the_import_with_that_message() -> None:
     env = {**os.environ, "GDFOLD_MAX_QWEN3_5": "fast", "PYTHONPATH": str(ROOT / "python")}
     run = subprocess.run([sys.executable, "-c", f"import {MODULE}"], capture_output=True, text=True, env=env,
@@ -671,14 +687,6 @@ LENGTHS = [NEW_TOKENS - 3 * (i % 4) for i in range(len(PROMPTS))]
 READY_S = 1500.0
 
 
-def max_command() -> list[str]:
-    script = Path(sys.executable).with_name("max")
-    found = script if script.exists() else shutil.which("max")
-    if found is None:
-        pytest.skip("MAX's `max` command is not installed beside this Python")
-    return [str(found)]
-
-
 def speculative_flags(method: str | None, draft: Path | None) -> list[str]:
     """``max serve``'s speculative flags for ``method`` (none for plain decoding). DFlash2's
     drafter comes with its own width (its blocks of 8: 7 drafts) and runs in bf16 (MAX
@@ -697,7 +705,7 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, method: str
            extra: tuple[str, ...] = (), encoding: str = "float32", draft: Path | None = None) -> Iterator[dict]:
     """``max serve`` in a process group of its own, until the block ends (SIGTERM, then
     SIGKILL to that group only)."""
-    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, running
+    from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, max_command, running
 
     port = free_port()
     argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),

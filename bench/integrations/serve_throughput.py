@@ -129,11 +129,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def max_executable() -> str:
-    beside = Path(sys.executable).with_name("max")
-    return str(beside) if beside.exists() else "max"
-
-
 def max_length(args: argparse.Namespace) -> int:
     """The servers' ``--max-length``: a prompt, its output and two verify windows of slack,
     rounded up to a multiple of 256."""
@@ -152,9 +147,11 @@ def server_memory(args: argparse.Namespace) -> float:
 def serve_command(route: str, pool: str, folder: Path, port: int, args: argparse.Namespace,
                   environ: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``max serve`` command line and environment of one server."""
+    from gdfold_max.integrations.max_qwen3_5_serve.server import max_command
+
     if route not in ROUTES or pool not in POOLS:
         raise ValueError(f"route {route!r}, pool {pool!r}")
-    argv = [max_executable(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
+    argv = [*max_command(), "serve", "--model-path", str(folder), "--weight-path", str(folder / "model.safetensors"),
             "--quantization-encoding", "bfloat16", "--state-pool-dtype", pool,
             "--max-length", str(max_length(args)),
             "--max-batch-size", str(args.max_batch_size), "--device-memory-utilization", str(server_memory(args)),

@@ -10,13 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+#: What MAX's ``max`` console script runs (its entry point in MAX 26.7), for a MAX
+#: installed without its scripts on the way (``pip install --target``).
+MAX_ENTRY = "import sys; from max._entrypoints.pipelines import main; sys.argv[0] = 'max'; sys.exit(main())"
+
+
+def max_command() -> list[str]:
+    """The command that runs MAX's CLI: the ``max`` script beside this Python, else the
+    one on ``PATH``, else MAX's entry point run by this Python."""
+    beside = Path(sys.executable).with_name("max")
+    found = str(beside) if beside.exists() else shutil.which("max")
+    return [found] if found else [sys.executable, "-c", MAX_ENTRY]
 
 
 def free_port() -> int:

@@ -59,20 +59,27 @@ comptime GPU_PATH_THROUGHPUT = 2
 # H200 the latency kernel as it stands was slower at every batch from 1 to 256 (fp32,
 # 1.20x the throughput kernel's fused step at batch 1, 2.1x at 256;
 # bench/results/paths-h200-2026-12-01.txt), so "auto" runs the throughput kernel until
-# the latency kernel wins somewhere (docs/tuning-log.md says where its time may go). On an
-# H100 it led at a window of 1, batch 1, in bf16 by 1.02x to 1.13x (docs/performance.md,
-# "Both kernels at a window of 1"); a rule for one-token windows waits on fp32 and
-# batches 2 and 4 measured in one process.
+# the latency kernel wins somewhere (docs/tuning-log.md says where its time may go).
 comptime LATENCY_WARPS_PER_SM = 0
+# Launches of one-token windows (plain decoding: no more tokens than requests) run on the
+# latency kernel up to this many of its warps per SM: a request alone, at Qwen3-Next's
+# and Kimi-Linear's heads (256 warps on 132 SMs). On an H100 it led there in all eight
+# comparisons (fp32 and bf16 pools, head and per-channel gates, forward and fused step),
+# by 1.02x to 1.16x; from two requests on, neither kernel led at every batch, and the
+# throughput kernel led at 8 by up to 1.54x in bf16 (docs/performance.md, "Both kernels
+# at a window of 1").
+comptime ONE_TOKEN_LATENCY_WARPS_PER_SM = 2
 
 
-def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int) -> Bool:
+def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int, one_token_windows: Bool) -> Bool:
     comptime if GPU_PATH == GPU_PATH_LATENCY:
         return True
     elif GPU_PATH == GPU_PATH_THROUGHPUT:
         return False
     else:
         comptime assert GPU_PATH == GPU_PATH_AUTO, "GPU_PATH must be 0 (auto), 1 or 2"
+        if one_token_windows:
+            return latency_units <= sms * max(LATENCY_WARPS_PER_SM, ONE_TOKEN_LATENCY_WARPS_PER_SM)
         return latency_units <= sms * LATENCY_WARPS_PER_SM
 
 
@@ -405,7 +412,7 @@ def run_windows[
             )
             return
         comptime if not TREE:  # a tree launched above; its builds never elaborate the chain kernels
-            if uses_latency_kernel[GPU_PATH](latency_units, sms):
+            if uses_latency_kernel[GPU_PATH](latency_units, sms, num_tokens <= batch):
                 # One warp a unit: a request on one slab of a value head.
                 comptime warp_kernel = windows_gpu_latency_kernel[
                     state_dtype, K, V, RING_LEN, RECORD, FOLD_PREVIOUS, LATENCY_CV, CHANNEL

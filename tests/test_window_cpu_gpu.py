@@ -275,3 +275,25 @@ def test_gpu_latency_and_automatic_paths_match_reference(state_dtype: str, gpu_p
     windows = [pattern[b % len(pattern)] for b in range(batch)]
     case = random_window_case(7, windows=windows, state_dtype=state_dtype, key_dim=128, value_dim=128)
     assert_verify_matches_reference(runner, case)
+
+
+# Plain decoding on "auto": one-token windows run on the latency kernel up to two of its
+# warps an SM (ONE_TOKEN_LATENCY_WARPS_PER_SM in mojo/window_launch.mojo), else on the
+# throughput kernel. At 8 heads of 128 x 128 (8 slabs a head) a request is 64 warps:
+# batch 1 is under the bound on any GPU of 32 SMs or more, batch 40 (2560 warps) over it
+# on one of up to 1279. Both launches, the forward and the verify, bit for bit.
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 40])
+def test_gpu_automatic_path_at_one_token_windows_matches_reference(state_dtype: str, batch: int) -> None:
+    runner = runner_for("gpu", "auto")
+    case = random_window_case(11, windows=[1] * batch, state_dtype=state_dtype, num_value_heads=8,
+                              num_key_heads=4, key_dim=128, value_dim=128)
+    state = case.state.copy()
+    out = runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
+    want_state = case.state.copy()
+    want = reference.recurrence(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
+                                num_key_heads=case.num_key_heads)
+    assert_bits_equal(out, want, "readout")
+    assert_bits_equal(state, want_state, "pool")
+    assert_verify_matches_reference(runner, case)

@@ -51,12 +51,13 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: kernel (one warp per request on one narrow column slab, its state in registers) and
 #: the throughput kernel (resident blocks that work through many units, overlapping
 #: one's copies with another's arithmetic). Both give the same bits. ``"auto"`` picks at
-#: run time from the launch's units of work, below a threshold measured on an H200
-#: (``LATENCY_WARPS_PER_SM`` in ``mojo/window_launch.mojo``); today that threshold is 0,
-#: since the latency kernel was slower at every batch measured, so ``"auto"`` runs the
-#: throughput kernel. Per-channel gates (``[T, nv, K]`` decays) run on either kernel, and
-#: ``"auto"`` runs them on the throughput kernel too (on an H100 it was 1.28x to 1.92x the
-#: latency kernel with them, batches 1 to 256), but on the latency kernel where the
+#: run time from the launch's units of work and tokens (``mojo/window_launch.mojo``): the
+#: latency kernel for one-token windows (no more tokens than requests) of up to two of its
+#: warps an SM, one request at Qwen3-Next's or Kimi-Linear's heads, where it led on an
+#: H100 by 1.02x to 1.16x; else the throughput kernel, faster for longer windows at every
+#: batch measured (``LATENCY_WARPS_PER_SM`` is 0). With per-channel gates (``[T, nv, K]``
+#: decays) the same (the throughput kernel was 1.28x to 1.92x the latency kernel with
+#: them at a window of 4, batches 1 to 256, on an H100), but the latency kernel where the
 #: throughput kernel's staging does not fit an SM at the default tile (a large K with a
 #: fold on load: K = 256, and from K = 208 at a 64-column tile).
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
@@ -288,9 +289,10 @@ def verify_ring(
         decay: ``[T, nv]`` float32 decays, already exp'd; or ``[T, nv, K]`` for per-channel
             gates (Kimi Delta Attention: state row i of a head decays by the i-th, and the
             records hold K decays per value head, ``layout.RecordLayout(..., gate="channel")``;
-            on the GPU ``"auto"`` runs these on the throughput kernel, or on the latency
-            kernel where the throughput kernel's staging does not fit an SM at the default
-            tile; ``"latency"`` and ``"throughput"`` force either).
+            on the GPU ``"auto"`` picks the kernel as for one decay per head
+            (:data:`GPU_PATHS`), or the latency kernel where the throughput kernel's staging
+            does not fit an SM at the default tile; ``"latency"`` and ``"throughput"`` force
+            either).
         beta: ``[T, nv]`` float32 gates.
         recurrent_state: ``[rows, nv, K, V]`` float32 or bfloat16 pool buffer.
         ring: ``[ring_rows, nk, RING_LEN, stride]`` float32 ring buffer.

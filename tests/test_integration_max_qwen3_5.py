@@ -251,6 +251,33 @@ def test_the_fused_verify_keeps_the_width_rule_on_the_gpu(state_dtype: str) -> N
         _assert_width_rule(model, "fused", case, drafts, f"fused on the GPU, {state_dtype} pool, width {drafts}", gpu)
 
 
+@pytest.mark.parametrize(("device", "state_dtype"), [
+    ("cpu", "bfloat16"),
+    pytest.param("gpu", "float32", marks=pytest.mark.gpu),
+    pytest.param("gpu", "bfloat16", marks=pytest.mark.gpu),
+])
+def test_the_fused_verify_at_max_s_dflash2_geometry(device: str, state_dtype: str) -> None:
+    """``gdfold_verify_or_forward`` where MAX's DFlash2 pipeline runs it: a ring of 8
+    records (blocks of 8), K = V = 128, verify windows of 8 and previous counts up to 8
+    (each two chunks of fold on load and of window on the GPU), a one-token and a prefill
+    window past the ring beside them, widths 7, 0 and 7 through one graph, bit for bit
+    against the reference."""
+    case = random_window_case(7, windows=[8, 8, 1, 8, 20, 3], previous_num_accepted=[8, 5, 7, 0, 6, 1],
+                              key_dim=128, value_dim=128, ring_len=8, state_dtype=state_dtype)
+    if device == "cpu":
+        model = InferenceSession(devices=[CPU()]).load(_window_graph("fused", case, True),
+                                                       custom_extensions=[kernels_path()])
+        where = None
+    else:
+        from max.driver import Accelerator
+
+        where = Accelerator()
+        model = InferenceSession(devices=[where]).load(_window_graph("fused", case, True, device=DeviceRef.GPU()))
+    for drafts in (7, 0, 7):
+        _assert_width_rule(model, "fused", case, drafts, f"fused on the {device}, {state_dtype} pool, width {drafts}",
+                           where)
+
+
 def test_with_a_symbolic_width_the_fused_layer_adds_no_branch() -> None:
     """The fused verify reads a symbolic width in its op (``gdfold_verify_or_forward``),
     where our verify in MAX's signature branches in the graph (an ``mo.if``)."""

@@ -8,8 +8,12 @@ reach the host, so the counts stay on the device, in a small table with one row 
 ring block (a request's ring block is stable for its whole life in MAX 26.7):
 ``[tag_lo, tag_hi, last_half, count]``. The host sends a 64-bit tag per request, 0 on
 a step where the request has generated nothing yet (a prefill chunk, the first step
-after admission or after a preemption); a table row whose tag differs, or the null
-block 0 that padding rows point at, carries nothing.
+after admission or after a preemption); a table row whose tag differs, the null block 0
+that padding rows point at, and a step's tag of 0 carry nothing. The last matters where a
+step verifies drafts of contexts that have generated nothing (MAX's warmup builds such
+contexts, ``overlap_text_generation.py:2287-2320``): it stores a count under the tag 0,
+and the block's next prefill, tagged 0 too, would otherwise fold those records into the
+new request's fresh state.
 """
 
 from __future__ import annotations
@@ -106,7 +110,9 @@ def read_carry(table: BufferValue, tags: TensorValue, ring_rows: TensorValue, la
     entry = ops.gather(loaded, block.cast(DType.int64), axis=0)
     zero = ops.broadcast_to(_u32(0, device), block.shape)
     same = ops.logical_and(ops.equal(entry[:, TAG_LO], tags[:, 0]), ops.equal(entry[:, TAG_HI], tags[:, 1]))
-    valid = ops.logical_and(same, ops.not_equal(block, zero))
+    # A live tag has its low bit set (request_tag), so its low word is never 0.
+    tagged = ops.not_equal(tags[:, 0], zero)
+    valid = ops.logical_and(ops.logical_and(same, tagged), ops.not_equal(block, zero))
     last = ops.where(valid, entry[:, LAST_HALF], zero)
     count = ops.where(valid, entry[:, COUNT], zero)
     in_half_1 = ops.broadcast_to(ops.unsqueeze(ops.equal(last, _u32(1, device)), 0), [layers, rows.shape[1]])

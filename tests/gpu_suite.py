@@ -41,8 +41,8 @@ GROUPS: dict[str, tuple[list[str], str]] = {
     # Three tests of four, three and five `max serve` processes of the tiny checkpoint, side
     # by side. Run it with nothing else on the machine: each server sizes its KV cache from a
     # tenth of the GPU, and beside other groups MAX's own MTP server found too little
-    # (bench/results/gpu-tests-max-serve-h100-2026-12-06.txt as of c9933ba); two tests took
-    # 553 s alone, and the three beside compute-sanitizer passed 900 s with none ended.
+    # (git show c9933ba:bench/results/gpu-tests-max-serve-h100-2026-12-06.txt); the three took
+    # 761 s alone with 3 workers on an H100, and beside compute-sanitizer passed 900 s.
     "max-serve": (["test_integration_max_qwen3_5_serve.py"], "load"),
 }
 

@@ -9,7 +9,8 @@ import pytest
 from max.driver import accelerator_count
 
 from gdfold_max import StateFolder, folder_for, reference
-from gdfold_max.cases import FoldCase
+from gdfold_max.cases import FoldCase, WindowCase
+from gdfold_max.eager.window import WindowRunner
 
 CONFORMANCE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
 
@@ -97,6 +98,17 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray, what: str = "pool") -> 
     differ = bits(got) != bits(want)
     count = int(np.count_nonzero(differ))
     assert count == 0, f"{what}: {count} of {differ.size} elements differ in their bits"
+
+
+def assert_recurrence_matches_reference(runner: WindowRunner, case: WindowCase) -> None:
+    """The forward over the case's windows against the reference, bit for bit."""
+    state = case.state.copy()
+    out = runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
+    want_state = case.state.copy()
+    want = reference.recurrence(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
+                                num_key_heads=case.num_key_heads)
+    assert_bits_equal(out, want, "readout")
+    assert_bits_equal(state, want_state, "pool")
 
 
 def float64_channel_forward(qkv: np.ndarray, decay: np.ndarray, beta: np.ndarray, state: np.ndarray,

@@ -11,7 +11,7 @@ import pytest
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType
 
-from conftest import assert_bits_equal
+from conftest import assert_bits_equal, assert_recurrence_matches_reference
 from gdfold_max import StateFolder, folder_for, reference, runner_for, verify_ring
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.eager.window import WindowRunner
@@ -124,13 +124,7 @@ def test_verify_then_fold_equals_forward_over_accepted_tokens(runner: WindowRunn
 @pytest.mark.parametrize("state_dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)])
 def test_forward_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     case = random_window_case(75, windows=[7, 0, 1, 2], state_dtype=state_dtype, gate="channel")
-    got_pool = case.state.copy()
-    got = runner.recurrence(*case.tokens(), got_pool, case.row_ids, case.input_row_offsets)
-    want_pool = case.state.copy()
-    want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
-                                    num_key_heads=case.num_key_heads)
-    assert_bits_equal(got, want, "readout")
-    assert_bits_equal(got_pool, want_pool, "pool")
+    assert_recurrence_matches_reference(runner, case)
 
 
 def test_per_channel_gates_differ_from_their_head_mean(runner: WindowRunner) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import WINDOW_TARGETS, assert_bits_equal
+from conftest import WINDOW_TARGETS, assert_bits_equal, assert_recurrence_matches_reference
 from gdfold_max import reference
 from gdfold_max.cases import WindowCase, random_window_case
 from gdfold_max.eager.fold import folder_for
@@ -110,13 +110,7 @@ def test_other_head_groups_match_reference(runner: WindowRunner, num_value_heads
 def test_recurrence_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     # Windows longer than a GPU block's token chunk, and an empty one.
     case = random_window_case(3, state_dtype=state_dtype, windows=[9, 0, 1, 5])
-    state = case.state.copy()
-    out = runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
-    want_state = case.state.copy()
-    want = reference.recurrence(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
-                                    num_key_heads=case.num_key_heads)
-    assert_bits_equal(out, want, "readout")
-    assert_bits_equal(state, want_state, "pool")
+    assert_recurrence_matches_reference(runner, case)
 
 
 def test_verify_then_fold_equals_forward_over_accepted_tokens(runner: WindowRunner, device: str) -> None:
@@ -289,11 +283,5 @@ def test_gpu_automatic_path_at_one_token_windows_matches_reference(state_dtype: 
     runner = runner_for("gpu", "auto")
     case = random_window_case(11, windows=[1] * batch, state_dtype=state_dtype, num_value_heads=8,
                               num_key_heads=4, key_dim=128, value_dim=128)
-    state = case.state.copy()
-    out = runner.recurrence(*case.tokens(), state, case.row_ids, case.input_row_offsets)
-    want_state = case.state.copy()
-    want = reference.recurrence(*case.tokens(), want_state, case.row_ids, case.input_row_offsets,
-                                num_key_heads=case.num_key_heads)
-    assert_bits_equal(out, want, "readout")
-    assert_bits_equal(state, want_state, "pool")
+    assert_recurrence_matches_reference(runner, case)
     assert_verify_matches_reference(runner, case)

@@ -58,16 +58,18 @@ comptime GPU_PATH_THROUGHPUT = 2
 # whose resident blocks overlap one unit's copies with another's arithmetic. Zero: on an
 # H200 the latency kernel as it stands was slower at every batch from 1 to 256 (fp32,
 # 1.20x the throughput kernel's fused step at batch 1, 2.1x at 256;
-# bench/results/paths-h200-2026-12-01.txt), so "auto" runs the throughput kernel until
-# the latency kernel wins somewhere (docs/tuning-log.md says where its time may go).
+# bench/results/paths-h200-2026-12-01.txt), so "auto" runs windows of more than one
+# token on the throughput kernel until the latency kernel wins there (docs/tuning-log.md
+# says where its time may go).
 comptime LATENCY_WARPS_PER_SM = 0
 # Launches of one-token windows (plain decoding: no more tokens than requests) run on the
 # latency kernel up to this many of its warps per SM: a request alone, at Qwen3-Next's
 # and Kimi-Linear's heads (256 warps on 132 SMs). On an H100 it led there in all eight
 # comparisons (fp32 and bf16 pools, head and per-channel gates, forward and fused step),
 # by 1.02x to 1.16x; from two requests on, neither kernel led at every batch, and the
-# throughput kernel led at 8 by up to 1.54x in bf16 (docs/performance.md, "Both kernels
-# at a window of 1").
+# throughput kernel led at 8 and 64 by 1.20x to 1.54x in bf16 (docs/performance.md, "Both
+# kernels at a window of 1"). The bound was fitted to 132 SMs: on fewer (an H100 PCIe's
+# 114) a request of 256 warps stays on the throughput kernel.
 comptime ONE_TOKEN_LATENCY_WARPS_PER_SM = 2
 
 
@@ -412,6 +414,8 @@ def run_windows[
             )
             return
         comptime if not TREE:  # a tree launched above; its builds never elaborate the chain kernels
+            # No more tokens than requests: plain decoding (padding rows and empty windows
+            # count as requests, which only moves time).
             if uses_latency_kernel[GPU_PATH](latency_units, sms, num_tokens <= batch):
                 # One warp a unit: a request on one slab of a value head.
                 comptime warp_kernel = windows_gpu_latency_kernel[

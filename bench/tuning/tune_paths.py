@@ -15,8 +15,8 @@ kernels are not compiled for) and FLA's fused_recurrent (where torch and fla imp
 with per-channel gates beside MAX's kda_decode alone; each round times every variant in
 turn and the median counts. ``--window`` sets the tokens each request verifies (RING_LEN;
 default 4), as in ``gdfold-max bench-step``. The batch where the latency kernel stops
-winning sets the threshold `LATENCY_WARPS_PER_SM` in `mojo/window_launch.mojo`, for
-both gates. Every graph runs as a
+winning sets the thresholds in `mojo/window_launch.mojo`, for both gates:
+`LATENCY_WARPS_PER_SM` for longer windows, `ONE_TOKEN_LATENCY_WARPS_PER_SM` at ``--window 1``. Every graph runs as a
 captured device graph (as MAX's pipelines run decoding steps, and as FLA's CUDA graphs
 run) unless ``--eager`` times ``execute()`` instead. ``--kernels`` adds each given copy
 of ``mojo/`` (a change to try, or the kernels before one) beside the installed one, on

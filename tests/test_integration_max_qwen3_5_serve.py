@@ -915,6 +915,14 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
     if dflash2:
         print(json.dumps({name: {"alone": r["alone"], "second": r["second"]} for name, r in results.items()},
                          indent=None))
+    # Every server's failures, not the first one's alone.
+    failures = served_failures(results, dflash2)
+    assert not failures, failures
+    return results
+
+
+def served_failures(results: dict[str, dict], dflash2: bool) -> list[str]:
+    """What each server's answers (:func:`exercise`) break of :func:`serve_and_ask`'s rules."""
     failures = []
     for name, r in results.items():
         if r["chunks"] != 2 or r["healthy"] != 200:
@@ -931,9 +939,32 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
                 failures.append(f"{name}: token 0 throughout, (wave, prompt) {zeros}")
         elif r["second"] != r["first"]:
             failures.append(f"{name}: the second wave differs")
-    # Every server's failures, not the first one's alone.
-    assert not failures, failures
-    return results
+    return failures
+
+
+def test_the_served_rules_catch_what_the_served_runs_broke() -> None:
+    """The rules of :func:`serve_and_ask` on answers as a served run gives them: the
+    DFlash2 fused server whose second wave came back as token 0 (prompt 0, an H100,
+    2026-12-07), a server whose prompts alone changed after the concurrent waves, one
+    cut short, one whose stream was not cancelled; and answers that keep every rule."""
+    good = [[7 + i] * n for i, n in enumerate(LENGTHS)]
+    ok = {"first": good, "second": good, "alone": None, "alone_after": None, "chunks": 2, "healthy": 200}
+    assert served_failures({"fused": ok, "plain": ok}, dflash2=False) == []
+    other = [[9] * LENGTHS[0], *good[1:]]  # another answer to prompt 0
+    assert served_failures({"fused": ok | {"second": other}}, dflash2=False) == ["fused: the second wave differs"]
+    first_wave = [[37, 56, 111, 230, 404, 325, 69, 420, 403, 288, 184, 122], *good[1:]]
+    zeroed = [[0] * LENGTHS[0], *good[1:]]
+    alone = ok | {"alone": good, "alone_after": good}
+    answers = {"dflash2-fused": alone | {"first": first_wave, "second": zeroed},
+               "dflash2-max": alone | {"second": other},  # a bf16 target's waves may differ
+               "dflash2-fold": alone | {"alone_after": other},
+               "dflash2-plain": alone | {"first": good[:-1], "chunks": 1}}
+    assert served_failures(answers, dflash2=True) == [
+        "dflash2-fused: token 0 throughout, (wave, prompt) [('second', 0)]",
+        "dflash2-fold: a prompt alone after the concurrent waves differs from before",
+        "dflash2-plain: 1 chunks of the cancelled stream, /health 200",
+        f"dflash2-plain: first: lengths {LENGTHS[:-1]}, not {LENGTHS}",
+    ]
 
 
 @pytest.mark.gpu

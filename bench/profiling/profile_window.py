@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import sys
 
-from max.driver import Accelerator
+from max.driver import Accelerator, Buffer
 from max.dtype import DType
 from max.engine import InferenceSession
 
-from gdfold_max.bench.harness import FoldShape
+from gdfold_max.bench.harness import ChainedGraphs, FoldShape
 from gdfold_max.bench.step import StepGraphs, make_step_operands
 from gdfold_max.bench.tree import TreeShape, TreeStepGraphs
 from gdfold_max.ops.window import GPU_PATHS
@@ -48,11 +48,7 @@ def main() -> None:
     graphs = StepGraphs(InferenceSession(devices=[device]), device, shape, 2,
                         {"column_tile": tile, "requests_per_block": requests or None, "gpu_path": gpu_path})
     graphs.compile_all([variant], [state_dtype], chained=False)
-    operands = make_step_operands(device, shape, batch, state_dtype)
-    model = graphs.model(variant, state_dtype, 1)
-    for _ in range(3):
-        model.execute(*operands)
-    device.synchronize()
+    run_three_times(graphs, variant, state_dtype, make_step_operands(device, shape, batch, state_dtype))
 
 
 def run_tree(tree: TreeShape, batch: int, state_dtype: DType) -> None:
@@ -60,11 +56,16 @@ def run_tree(tree: TreeShape, batch: int, state_dtype: DType) -> None:
     device = Accelerator()
     graphs = TreeStepGraphs(InferenceSession(devices=[device]), device, FoldShape(num_layers=1), tree, 2)
     graphs.compile_all(["tree"], [state_dtype], chained=False)
-    operands = graphs.operands("tree", batch, state_dtype)
-    model = graphs.model("tree", state_dtype, 1)
+    run_three_times(graphs, "tree", state_dtype, graphs.operands("tree", batch, state_dtype))
+
+
+def run_three_times(graphs: ChainedGraphs, variant: str, state_dtype: DType, operands: list[Buffer]) -> None:
+    """The compiled graph of one link of ``variant``, run three times (a profiler skips
+    the first two launches), then waited for."""
+    model = graphs.model(variant, state_dtype, 1)
     for _ in range(3):
         model.execute(*operands)
-    device.synchronize()
+    graphs.synchronize(variant)
 
 
 if __name__ == "__main__":

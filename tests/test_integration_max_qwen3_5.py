@@ -242,13 +242,22 @@ def test_the_fused_verify_keeps_the_width_rule_on_the_gpu(state_dtype: str) -> N
     """``gdfold_verify_or_forward`` on the GPU, the width symbolic (both widths through
     one graph): at 3 the verify with fold on load, at 0 the fold and then the forward,
     bit for bit against the reference, fp32 and bf16 pools."""
+    case = random_window_case(42, windows=[4, 1, 3, 2], previous_num_accepted=[4, 0, 2, 1], state_dtype=state_dtype)
+    model, gpu = _fused_model(case, "gpu")
+    for drafts in (3, 0, 3):
+        _assert_width_rule(model, "fused", case, drafts, f"fused on the GPU, {state_dtype} pool, width {drafts}", gpu)
+
+
+def _fused_model(case: Any, device: str) -> tuple[Model, Any]:
+    """The fused verify's graph for ``case``, width symbolic, compiled for ``device``
+    ("cpu" or "gpu"); with it the device to upload operands to (None: the host)."""
+    if device == "cpu":
+        return InferenceSession(devices=[CPU()]).load(_window_graph("fused", case, True),
+                                                      custom_extensions=[kernels_path()]), None
     from max.driver import Accelerator
 
     gpu = Accelerator()
-    case = random_window_case(42, windows=[4, 1, 3, 2], previous_num_accepted=[4, 0, 2, 1], state_dtype=state_dtype)
-    model = InferenceSession(devices=[gpu]).load(_window_graph("fused", case, True, device=DeviceRef.GPU()))
-    for drafts in (3, 0, 3):
-        _assert_width_rule(model, "fused", case, drafts, f"fused on the GPU, {state_dtype} pool, width {drafts}", gpu)
+    return InferenceSession(devices=[gpu]).load(_window_graph("fused", case, True, device=DeviceRef.GPU())), gpu
 
 
 @pytest.mark.parametrize(("device", "state_dtype"), [
@@ -264,15 +273,7 @@ def test_the_fused_verify_at_max_s_dflash2_geometry(device: str, state_dtype: st
     against the reference."""
     case = random_window_case(7, windows=[8, 8, 1, 8, 20, 3], previous_num_accepted=[8, 5, 7, 0, 6, 1],
                               key_dim=128, value_dim=128, ring_len=8, state_dtype=state_dtype)
-    if device == "cpu":
-        model = InferenceSession(devices=[CPU()]).load(_window_graph("fused", case, True),
-                                                       custom_extensions=[kernels_path()])
-        where = None
-    else:
-        from max.driver import Accelerator
-
-        where = Accelerator()
-        model = InferenceSession(devices=[where]).load(_window_graph("fused", case, True, device=DeviceRef.GPU()))
+    model, where = _fused_model(case, device)
     for drafts in (7, 0, 7):
         _assert_width_rule(model, "fused", case, drafts, f"fused on the {device}, {state_dtype} pool, width {drafts}",
                            where)

@@ -857,14 +857,14 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
     asked the same (:func:`exercise`). Returns each server's answers.
 
     ``dflash2-`` names serve the checkpoint in bf16 with the example's tiny drafter, and
-    are asked each prompt alone too. A bf16 target's greedy tokens depend on how requests
-    are batched (MAX 26.7 says so of bf16 state pools, ``qwen3_5/model_config.py:155-166``,
-    and its bf16 matmuls round by the batch's shape), so with concurrent, racy arrivals no
-    server need repeat its own tokens: each must answer every prompt alone after the
-    concurrent waves (a cancelled stream, requests arriving and leaving mid-batch, ring
-    blocks reused) as it did before them, and no request may come back as token 0
-    throughout (what NaN logits give greedy sampling). Otherwise (an fp32 checkpoint)
-    each must answer its second wave as its first."""
+    are asked each prompt alone too. A bf16 target's greedy tokens may depend on how
+    requests are batched and chunked into calls (MAX 26.7 says a bf16 state pool makes the
+    trajectory depend on the chunking, ``qwen3_5/model_config.py:155-166``), so with
+    concurrent, racy arrivals no server need repeat its own tokens: each must answer
+    every prompt alone after the concurrent waves (a cancelled stream, requests arriving
+    and leaving mid-batch, ring blocks reused) as it did before them, and no request may
+    come back as token 0 throughout (what NaN logits give greedy sampling). Otherwise (an
+    fp32 checkpoint) each must answer its second wave as its first."""
     pytest.importorskip("httpx")
     dflash2 = names[0].startswith("dflash2-")
     assert all(n.startswith("dflash2-") == dflash2 for n in names), names

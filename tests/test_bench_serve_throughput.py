@@ -102,6 +102,26 @@ def test_the_table_gives_ours_over_max_per_pool_and_concurrency(bench: dict) -> 
     assert line == "# serve_throughput.py --pools float32 | GPU: NVIDIA H100 | 2026-12-06 | commit abc1234"
 
 
+def test_a_wave_of_token_0_is_named_as_no_served_step(bench: dict) -> None:
+    """Greedy sampling answers NaN logits with token 0, and a server that does so accepts
+    every draft: the benchmark counts each answer's token 0s and names the measurements
+    that are mostly token 0 under the table."""
+    assert bench["zero_tokens"]({"token_ids": [0, 9, 0, 0, 5]}, 3) == 2  # the prompt's 0 is not counted
+    with pytest.raises(SystemExit, match="no token_ids"):
+        bench["zero_tokens"]({"text": "x"}, 3)
+    results = [fake("max", "bfloat16", 1, 700.0) | {"zero_share": 1.0},
+               fake("fused", "bfloat16", 1, 650.0) | {"zero_share": 0.49},
+               fake("fused", "float32", 64, 5000.0) | {"zero_share": None}]
+    assert bench["degenerate"](results) == ["max, bfloat16 pools, 1 concurrent: 100% of the output is token 0"]
+
+
+def test_the_checkpoint_s_gated_deltanet_layers_are_an_argument(bench: dict) -> None:
+    assert bench["parse_args"]([]).linear_layers == 3
+    assert bench["parse_args"](["--linear-layers", "12"]).linear_layers == 12
+    with pytest.raises(SystemExit):
+        bench["parse_args"](["--linear-layers", "0"])
+
+
 def test_rounds_take_turns_in_both_orders_and_the_median_round_counts(bench: dict) -> None:
     assert bench["round_order"](2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
     assert bench["round_order"](1, 2) == [[0], [0]]

@@ -11,7 +11,8 @@ The MAX sources the architecture follows are pinned by hash.
 
 On a GPU: ``max serve`` on localhost, fused, fold-only, fold+verify, MAX's own MTP and
 plain decoding, each answering the same concurrent requests; and the same for DFlash2
-(a bf16 copy of the checkpoint with the example's tiny drafter) beside MAX's own DFlash2.
+(a bf16 copy of the checkpoint with the example's tiny drafter, fp32 state pools) beside
+MAX's own DFlash2.
 """
 
 from __future__ import annotations
@@ -512,7 +513,12 @@ def dflash2_checkpoint(example: dict, tmp_path_factory: pytest.TempPathFactory) 
 def dflash2_graph(example: dict, dflash2_checkpoint: dict) -> dict:
     """MAX's DFlash2 ``_create_model_config`` and ``_build_graph_for_compile`` run by our
     pipeline model (built, not compiled; a ``gpu`` device spec, which resolves without
-    one), with the stand-ins of ``fused_graph``."""
+    one), with the stand-ins of ``fused_graph``; MAX's default state pools (bf16)."""
+    return build_dflash2_graph(example, dflash2_checkpoint)
+
+
+def build_dflash2_graph(example: dict, dflash2_checkpoint: dict, state_pool_dtype: str | None = None) -> dict:
+    """:func:`dflash2_graph` with ``--state-pool-dtype state_pool_dtype``."""
     from types import SimpleNamespace
 
     import max.nn.comm.allreduce as allreduce
@@ -527,7 +533,7 @@ def dflash2_graph(example: dict, dflash2_checkpoint: dict) -> dict:
     from gdfold_max.integrations.max_qwen3_5_serve import dflash2
 
     target, draft = dflash2_checkpoint["target"], dflash2_checkpoint["draft"]
-    pipeline = example["dflash2_pipeline_config"](target, draft)
+    pipeline = example["dflash2_pipeline_config"](target, draft, state_pool_dtype=state_pool_dtype)
     adapter = PIPELINE_REGISTRY.architecture_for_config(pipeline).weight_adapters[WeightsFormat.safetensors]
     hf = pipeline.model.huggingface_config
     state_dict = adapter(dict(load_weights([target / "model.safetensors"]).items()), huggingface_config=hf,
@@ -553,6 +559,19 @@ def dflash2_graph(example: dict, dflash2_checkpoint: dict) -> dict:
     planner = dflash2.FusedDflash2MemoryPlanner(dflash2.FusedDflash2Config.initialize(pipeline, max_seq_len=256))
     return {"graph": graph, "kv": kv, "model_kv": model.kv_params, "config": config, "planner": planner,
             "driver": driver, "pipeline": pipeline, "text": str(graph)}
+
+
+def test_the_dflash2_graph_with_fp32_pools_folds_on_load_into_them(example: dict, dflash2_checkpoint: dict) -> None:
+    """The served DFlash2 test's servers keep fp32 state pools (``DFLASH2_POOLS``): the
+    fused graph is built for them, our ops only, the live recurrent pool fp32."""
+    from max.dtype import DType
+    from max.nn.kv_cache import recurrent_leaf
+
+    built = build_dflash2_graph(example, dflash2_checkpoint, state_pool_dtype="float32")
+    assert_our_ops_only(built["text"], example["LAYERS"] - 1)
+    live = recurrent_leaf(built["kv"]).regions[:2]
+    assert [region.dtype for region in live] == [DType.float32, DType.float32]
+    assert ", 4, 128, 128], f32, gpu:0>" in built["text"]  # the recurrent pool the verify reads
 
 
 def test_dflash2_s_three_sites_of_the_ring_geometry_agree(dflash2_graph: dict, example: dict) -> None:
@@ -816,6 +835,15 @@ async def exercise(server: dict, alone: bool = False) -> dict:
             "chat": (message.get("content") or "") + (message.get("reasoning_content") or "")}
 
 
+#: The DFlash2 servers' state pools. With the bf16 pools MAX 26.7 gives a bf16 checkpoint by
+#: default, MAX's own DFlash2 server answered every prompt asked alone with token 0 after
+#: its first token, and so did the fold-only and fused routes; fold+verify answered other
+#: tokens, and plain decoding with the same pools ordinary ones (an H100, 2026-12-07,
+#: bench/results/gpu-tests-max-serve-h100-2026-12-07.txt). With fp32 pools MAX says a
+#: speculated generation follows the state trajectory of an unspeculated one
+#: (``qwen3_5/model_config.py:155-166``).
+DFLASH2_POOLS = ("--state-pool-dtype", "float32")
+
 #: name -> (GDFOLD_MAX_QWEN3_5 or None for MAX's own, speculative method or None for plain
 #: decoding, extra flags). The ``dflash2-`` servers serve a bf16 copy of the checkpoint.
 SERVERS: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
@@ -856,15 +884,15 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
     """The named servers of the tiny checkpoint side by side (each a tenth of the GPU), all
     asked the same (:func:`exercise`). Returns each server's answers.
 
-    ``dflash2-`` names serve the checkpoint in bf16 with the example's tiny drafter, and
+    ``dflash2-`` names serve the checkpoint in bf16 with the example's tiny drafter (MAX
+    26.7 runs DFlash2's drafter in bf16), with fp32 state pools (``DFLASH2_POOLS``), and
     are asked each prompt alone too. A bf16 target's greedy tokens may depend on how
-    requests are batched and chunked into calls (MAX 26.7 says a bf16 state pool makes the
-    trajectory depend on the chunking, ``qwen3_5/model_config.py:155-166``), so with
-    concurrent, racy arrivals no server need repeat its own tokens: each must answer
-    every prompt alone after the concurrent waves (a cancelled stream, requests arriving
-    and leaving mid-batch, ring blocks reused) as it did before them, and no request may
-    come back as token 0 throughout (what NaN logits give greedy sampling). Otherwise (an
-    fp32 checkpoint) each must answer its second wave as its first."""
+    requests are batched into calls, so with concurrent, racy arrivals no server need
+    repeat its own tokens: each must answer every prompt alone after the concurrent waves
+    (a cancelled stream, requests arriving and leaving mid-batch, ring blocks reused) as
+    it did before them, and no request may come back as token 0 throughout (what NaN
+    logits give greedy sampling). Otherwise (an fp32 checkpoint) each must answer its
+    second wave as its first."""
     pytest.importorskip("httpx")
     dflash2 = names[0].startswith("dflash2-")
     assert all(n.startswith("dflash2-") == dflash2 for n in names), names
@@ -885,7 +913,7 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
             copy = tmp_path / f"tiny-{name}"
             shutil.copytree(folder, copy)
             servers[name] = stack.enter_context(served(
-                name, copy, logs, mode=mode, method=method, extra=extra,
+                name, copy, logs, mode=mode, method=method, extra=(*extra, *DFLASH2_POOLS) if dflash2 else extra,
                 encoding="bfloat16" if dflash2 else "float32", draft=draft if method else None))
 
         async def everything() -> dict:
@@ -993,13 +1021,13 @@ def test_max_serve_with_our_fold_gives_max_s_tokens(example: dict, tmp_path: Pat
 
 @pytest.mark.gpu
 def test_max_serve_dflash2_fused_gives_fold_verify_s_tokens_and_fold_max_s(example: dict, tmp_path: Path) -> None:
-    """MAX's DFlash2 pipeline (blocks of 8 from the example's tiny drafter, a bf16 target)
-    with our ops, each prompt asked alone (a batch of one, the same at every server): the
-    fused step gives fold+verify's tokens (the same pools, bit for bit) and the fold-only
-    route MAX's DFlash2 tokens (our fold is bit-identical to MAX's). How far the fused route
-    and MAX's DFlash2 agree with each other and with plain decoding of the bf16 target is
-    printed, not required: MAX's verify rounds otherwise than ours, and with a bf16 pool the
-    trajectory depends on how tokens are chunked into calls (``serve_and_ask``)."""
+    """MAX's DFlash2 pipeline (blocks of 8 from the example's tiny drafter, a bf16 target,
+    fp32 state pools) with our ops, each prompt asked alone (a batch of one, the same at
+    every server): the fused step gives fold+verify's tokens (the same pools, bit for bit)
+    and the fold-only route MAX's DFlash2 tokens (our fold is bit-identical to MAX's). How
+    far the fused route and MAX's DFlash2 agree with each other and with plain decoding is
+    printed, not required: MAX's verify rounds otherwise than ours, and the bf16 target's
+    logits depend on how tokens are batched into calls (``serve_and_ask``)."""
     results = serve_and_ask(("dflash2-fused", "dflash2-fold+verify", "dflash2-fold", "dflash2-max", "dflash2-plain"),
                             example, tmp_path)
     for name, other in (("dflash2-max", "dflash2-plain"), ("dflash2-fused", "dflash2-plain"),

@@ -3,8 +3,9 @@ fold-only route and our fused route, with bf16 and fp32 state pools, at 1, 8 and
 concurrent requests.
 
 Writes a random-weight Qwen3.5-with-MTP checkpoint with Qwen3-Next-80B's Gated DeltaNet
-shapes (nv 32, nk 16, K = V = 128, hidden 2048; three Gated DeltaNet layers and one
-full-attention layer, a small MLP and vocabulary, so it builds quickly) with the writer of
+shapes (nv 32, nk 16, K = V = 128, hidden 2048; ``--linear-layers`` Gated DeltaNet layers,
+three by default, and one full-attention layer, a small MLP and vocabulary, so it builds
+quickly) with the writer of
 ``examples/max_qwen3_5_pipeline.py``, then serves it once per route and pool, one server
 at a time, each timed alone (with ``--start-together`` every server starts at once, so
 their graphs compile side by side, and each is timed alone while the others idle):
@@ -30,7 +31,15 @@ the wall time from the first request sent to the last answer. Each server is tim
 reversed every other round (so that no route is always timed first). Each figure is the
 median round's; the JSON keeps every round's rate. The weights are random, so
 the drafts are almost never accepted: the table compares the cost of a served step, not
-a speculative speed-up.
+a speculative speed-up. Every answer's token ids are read back, and each wave reports the
+share of its output tokens that are token 0 (``zero_share``): greedy sampling gives token 0
+for NaN logits, and a server that answers with it throughout accepts every draft (token 0
+again), so its steps keep four tokens and its rate is not a served step's. Such rows are
+named under the table.
+
+More Gated DeltaNet layers make the state ops a larger share of a served step (each layer
+runs them once a step; the rest of the step, attention, the MTP head, the sampler and the
+scheduler, stays).
 
 With ``--step-stats`` each server logs every batch (MAX's scheduler statistics at an
 interval of 0 s, ``MAX_SERVE_SCHEDULER_STATS_LOG_INTERVAL_S``), and each timed wave also
@@ -45,7 +54,7 @@ per route, and writes the same as JSON. Needs a GPU; ``--print-commands`` prints
 server commands and stops.
 
     python bench/integrations/serve_throughput.py [--concurrency 1 8 64] [--pools bfloat16 float32]
-        [--routes max fold fused] [--prompt-len 128] [--output-len 256] [--json FILE]
+        [--routes max fold fused] [--linear-layers 3] [--prompt-len 128] [--output-len 256] [--json FILE]
 """
 
 from __future__ import annotations
@@ -95,6 +104,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
     parser.add_argument("--pools", nargs="+", choices=POOLS, default=list(POOLS), help="state pool dtypes")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--linear-layers", type=int, default=SHAPES["layers"] - 1,
+                        help="the checkpoint's Gated DeltaNet layers (then one full-attention layer)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--waves", type=int, default=4, help="timed requests per concurrency = waves * concurrency")
@@ -119,8 +130,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              " each with --memory shared out among them, then time them one at a time while the"
                              " others idle")
     args = parser.parse_args(argv)
-    if min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1 or args.rounds < 1:
-        parser.error("--concurrency, --waves, --rounds, --prompt-len and --output-len must be positive")
+    if (min(args.concurrency) < 1 or args.waves < 1 or args.prompt_len < 1 or args.output_len < 1 or args.rounds < 1
+            or args.linear_layers < 1):
+        parser.error("--concurrency, --waves, --rounds, --linear-layers, --prompt-len and --output-len must be"
+                     " positive")
     if args.max_batch_size is None:
         args.max_batch_size = 2 * max(args.concurrency)
     elif args.max_batch_size < max(args.concurrency):
@@ -255,6 +268,17 @@ def table(results: Sequence[dict[str, Any]], title: str = "output tokens per sec
     return t
 
 
+def degenerate(results: Sequence[dict[str, Any]], share: float = 0.5) -> list[str]:
+    """The measurements whose output is mostly token 0 (:func:`zero_tokens`), one line each.
+
+    >>> degenerate([{"route": "max", "pool": "bfloat16", "concurrency": 8, "zero_share": 0.97},
+    ...             {"route": "fused", "pool": "float32", "concurrency": 8, "zero_share": 0.0}])
+    ['max, bfloat16 pools, 8 concurrent: 97% of the output is token 0']
+    """
+    return [f"{r['route']}, {r['pool']} pools, {r['concurrency']} concurrent: {r['zero_share']:.0%} of the output"
+            " is token 0" for r in results if (r.get("zero_share") or 0) >= share]
+
+
 def header(argv: Sequence[str], gpu: str, date: str, commit: str) -> str:
     return f"# {shlex.join(argv)} | GPU: {gpu} | {date} | commit {commit}"
 
@@ -277,26 +301,42 @@ def commit() -> str:
     return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-async def wave(client: Any, url: str, batch: list[list[int]], output_len: int, concurrency: int) -> tuple[int, float]:
+def zero_tokens(choice: dict[str, Any], output_len: int) -> int:
+    """How many of an answer's output tokens are token 0 (``return_token_ids`` gives the
+    prompt's ids, then the output's: the last ``output_len``).
+
+    >>> zero_tokens({"token_ids": [5, 6, 0, 7, 0]}, 3)
+    2
+    """
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise SystemExit(f"no token_ids in the answer: {str(choice)[:500]}")
+    return sum(int(t) == 0 for t in ids[-output_len:])
+
+
+async def wave(client: Any, url: str, batch: list[list[int]], output_len: int,
+               concurrency: int) -> tuple[int, int, float]:
     """Sends ``batch``, at most ``concurrency`` in flight; returns the output tokens the
-    server reports and the seconds from the first send to the last answer."""
+    server reports, how many of them are token 0, and the seconds from the first send to
+    the last answer."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(prompt: list[int]) -> int:
+    async def one(prompt: list[int]) -> tuple[int, int]:
         async with gate:
             reply = await client.post(url + "/v1/completions", json={
                 "model": SERVED_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-                "ignore_eos": True})
+                "ignore_eos": True, "return_token_ids": True})
         if reply.status_code != 200:
             raise SystemExit(f"completion failed ({reply.status_code}): {reply.text[:2000]}")
-        tokens = int(reply.json()["usage"]["completion_tokens"])
+        answer = reply.json()
+        tokens = int(answer["usage"]["completion_tokens"])
         if tokens != output_len:
             print(f"warning: {tokens} output tokens, {output_len} asked", file=sys.stderr)
-        return tokens
+        return tokens, zero_tokens(answer["choices"][0], tokens)
 
     started = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in batch))
-    return sum(counts), time.perf_counter() - started
+    return sum(c[0] for c in counts), sum(c[1] for c in counts), time.perf_counter() - started
 
 
 async def measure_server(url: str, args: argparse.Namespace, vocab: int, log: Path) -> list[dict[str, Any]]:
@@ -309,11 +349,12 @@ async def measure_server(url: str, args: argparse.Namespace, vocab: int, log: Pa
                        args.output_len, concurrency)
             timed = prompts(args.waves * concurrency, args.prompt_len, vocab, seed=concurrency)
             logged = log.stat().st_size
-            tokens, seconds = await wave(client, url, timed, args.output_len, concurrency)
+            tokens, zeros, seconds = await wave(client, url, timed, args.output_len, concurrency)
             result = {"concurrency": concurrency, "requests": len(timed), "output_tokens": tokens,
-                      "seconds": seconds, "tokens_per_s": rate(tokens, seconds)}
+                      "seconds": seconds, "tokens_per_s": rate(tokens, seconds),
+                      "zero_share": zeros / tokens if tokens else None}
             line = (f"  {concurrency:>3} concurrent: {tokens} tokens in {seconds:.2f} s,"
-                    f" {rate(tokens, seconds):,.1f} tokens/s")
+                    f" {rate(tokens, seconds):,.1f} tokens/s, {zeros / max(tokens, 1):.0%} token 0")
             if args.step_stats:
                 await asyncio.sleep(0.5)  # the last batch's line
                 with log.open("rb") as stream:
@@ -378,7 +419,7 @@ def serve_and_measure(pairs: Sequence[tuple[str, str]], folder: Path, copies: Pa
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     example = runpy.run_path(str(EXAMPLE))
-    shapes = example["Shapes"](**SHAPES)
+    shapes = example["Shapes"](**(SHAPES | {"layers": args.linear_layers + 1}))
     vocab = shapes.vocab - len(example["SPECIAL_TOKENS"])
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.folder or Path(scratch) / "qwen3_5-next-shapes"
@@ -405,8 +446,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(head)
     Console().print(table(results))
+    for line in degenerate(results):
+        print(f"not a served step's rate: {line}")
     out = args.json or Path(f"serve-throughput-{date[:10]}.json")
-    out.write_text(json.dumps({"header": head, "shapes": SHAPES, "args": {
+    out.write_text(json.dumps({"header": head, "shapes": SHAPES | {"layers": args.linear_layers + 1}, "args": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results,
         "rows": rows(results)}, indent=1))
     print(f"wrote {out}")

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -517,8 +518,10 @@ def dflash2_graph(example: dict, dflash2_checkpoint: dict) -> dict:
     return build_dflash2_graph(example, dflash2_checkpoint)
 
 
-def build_dflash2_graph(example: dict, dflash2_checkpoint: dict, state_pool_dtype: str | None = None) -> dict:
-    """:func:`dflash2_graph` with ``--state-pool-dtype state_pool_dtype``."""
+def build_dflash2_graph(example: dict, dflash2_checkpoint: dict, state_pool_dtype: str | None = None,
+                        model_cls: type | None = None) -> dict:
+    """:func:`dflash2_graph` with ``--state-pool-dtype state_pool_dtype``, built by
+    ``model_cls`` (default our ``FusedDflash2Model``)."""
     from types import SimpleNamespace
 
     import max.nn.comm.allreduce as allreduce
@@ -541,7 +544,7 @@ def build_dflash2_graph(example: dict, dflash2_checkpoint: dict, state_pool_dtyp
     kv = dflash2.FusedDflash2Model.get_kv_params(huggingface_config=hf, pipeline_config=pipeline,
                                                  devices=[DeviceRef.GPU()], kv_cache_config=pipeline.model.kv_cache,
                                                  cache_dtype=DType.bfloat16)
-    model = object.__new__(dflash2.FusedDflash2Model)
+    model = object.__new__(model_cls or dflash2.FusedDflash2Model)
     model.pipeline_config = pipeline
     model.devices = [CPU()]
     model.memory_plan = SimpleNamespace(planned_max_length=256)  # type: ignore[assignment]
@@ -559,6 +562,51 @@ def build_dflash2_graph(example: dict, dflash2_checkpoint: dict, state_pool_dtyp
     planner = dflash2.FusedDflash2MemoryPlanner(dflash2.FusedDflash2Config.initialize(pipeline, max_seq_len=256))
     return {"graph": graph, "kv": kv, "model_kv": model.kv_params, "config": config, "planner": planner,
             "driver": driver, "pipeline": pipeline, "text": str(graph)}
+
+
+def graph_ops(text: str) -> Counter[str]:
+    """The ops of a graph's text by name (``mo.custom`` counted once per kernel symbol)."""
+    ops = Counter(re.findall(r"(?:= |^\s*)((?:r?mo)\.[a-zA-Z_.]+)", text, re.M))
+    ops.update(f"custom:{name}" for name in re.findall(r'mo\.custom \[symbol = "([a-z_0-9]+)"', text))
+    return ops
+
+
+def test_patched_builds_max_s_dflash2_graph_with_only_the_routed_ops_changed(example: dict,
+                                                                           dflash2_checkpoint: dict) -> None:
+    """What ``fold`` and ``fold+verify`` serve: MAX's DFlash2 pipeline model built under
+    ``patched()`` (``patched(verify=True)``) keeps every op of MAX's own graph but the
+    routed ones: MAX's fold becomes ours, and with ``verify`` MAX's verify becomes ours
+    (at a width of 0 our forward); each adds only the branch on the verify width that
+    picks the side as the graph runs."""
+    from max.pipelines.architectures.unified_dflash2_qwen3_5.model import UnifiedDflash2Qwen3_5Model
+
+    from gdfold_max.integrations import max_qwen3_5
+
+    layers = example["LAYERS"] - 1
+
+    def built(verify: bool | None) -> Counter[str]:
+        with ExitStack() as stack:
+            if verify is not None:
+                stack.enter_context(max_qwen3_5.patched(verify=verify))
+            graph = build_dflash2_graph(example, dflash2_checkpoint, model_cls=UnifiedDflash2Qwen3_5Model)
+        return graph_ops(graph["text"])
+
+    theirs, fold, fold_verify = built(None), built(False), built(True)
+    assert theirs["custom:gated_delta_state_fold"] == 1
+    assert theirs["custom:gated_delta_recurrence_verify_ring_fwd"] == layers
+    branch = {"mo.if", "mo.yield", "mo.constant", "rmo.shape_to_tensor", "rmo.slice", "rmo.reshape", "rmo.equal"}
+    for ours, routed in ((fold, {"gated_delta_state_fold": "gdfold_state_fold"}),
+                         (fold_verify, {"gated_delta_state_fold": "gdfold_state_fold",
+                                        "gated_delta_recurrence_verify_ring_fwd": "gdfold_verify_ring"})):
+        for max_op, our_op in routed.items():
+            assert ours[f"custom:{max_op}"] == 0 and ours[f"custom:{our_op}"] == theirs[f"custom:{max_op}"]
+        kept = Counter({op: n for op, n in theirs.items() if op.removeprefix("custom:") not in routed})
+        assert not kept - ours, f"MAX's ops missing: {kept - ours}"
+        added = {op for op in ours - theirs if not op.startswith("custom:")}
+        assert added <= branch | {"mo.custom"}, added
+    assert fold["mo.if"] == theirs["mo.if"] + 1  # the fold, skipped at a width of 0
+    assert fold_verify["custom:gdfold_recurrence"] == layers  # the verify's width-0 side
+    assert fold_verify["mo.if"] == theirs["mo.if"] + 1 + layers
 
 
 def test_the_dflash2_graph_with_fp32_pools_folds_on_load_into_them(example: dict, dflash2_checkpoint: dict) -> None:

@@ -106,20 +106,28 @@ def test_a_wave_of_token_0_is_named_as_no_served_step(bench: dict) -> None:
     """Greedy sampling answers NaN logits with token 0, and a server that does so accepts
     every draft: the benchmark counts each answer's token 0s and names the measurements
     that are mostly token 0 under the table."""
-    assert bench["zero_tokens"]({"token_ids": [0, 9, 0, 0, 5]}, 3) == 2  # the prompt's 0 is not counted
+    assert bench["zero_tokens"]({"token_ids": [0, 9, 0, 0, 5]}) == 3
+    assert bench["zero_tokens"]({"token_ids": []}) == 0
     with pytest.raises(SystemExit, match="no token_ids"):
-        bench["zero_tokens"]({"text": "x"}, 3)
+        bench["zero_tokens"]({"text": "x"})
     results = [fake("max", "bfloat16", 1, 700.0) | {"zero_share": 1.0},
                fake("fused", "bfloat16", 1, 650.0) | {"zero_share": 0.49},
                fake("fused", "float32", 64, 5000.0) | {"zero_share": None}]
     assert bench["degenerate"](results) == ["max, bfloat16 pools, 1 concurrent: 100% of the output is token 0"]
 
 
-def test_the_checkpoint_s_gated_deltanet_layers_are_an_argument(bench: dict) -> None:
+def test_the_checkpoint_s_gated_deltanet_layers_are_an_argument(bench: dict, tmp_path: Path) -> None:
+    """``--linear-layers`` sets the checkpoint's Gated DeltaNet layers (one full-attention
+    layer follows), and a checkpoint reused from ``--folder`` must have them."""
     assert bench["parse_args"]([]).linear_layers == 3
     assert bench["parse_args"](["--linear-layers", "12"]).linear_layers == 12
     with pytest.raises(SystemExit):
         bench["parse_args"](["--linear-layers", "0"])
+    example = runpy.run_path(str(ROOT / "examples" / "max_qwen3_5_pipeline.py"))
+    example["write_checkpoint"](tmp_path, example["Shapes"](layers=3))
+    assert bench["checkpoint_layers"](tmp_path) == 3
+    with pytest.raises(SystemExit, match="its checkpoint has 3 layers, --linear-layers 3 asks for 4"):
+        bench["main"](["--folder", str(tmp_path), "--linear-layers", "3", "--logs", str(tmp_path / "logs")])
 
 
 def test_rounds_take_turns_in_both_orders_and_the_median_round_counts(bench: dict) -> None:

@@ -301,17 +301,17 @@ def commit() -> str:
     return head + (" (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def zero_tokens(choice: dict[str, Any], output_len: int) -> int:
-    """How many of an answer's output tokens are token 0 (``return_token_ids`` gives the
-    prompt's ids, then the output's: the last ``output_len``).
+def zero_tokens(choice: dict[str, Any]) -> int:
+    """How many of an answer's output tokens are token 0 (``return_token_ids``: MAX's
+    ``token_ids`` are the ids the sampler committed, ``max/serve/schemas/openai.py``).
 
-    >>> zero_tokens({"token_ids": [5, 6, 0, 7, 0]}, 3)
+    >>> zero_tokens({"token_ids": [5, 0, 7, 0]})
     2
     """
     ids = choice.get("token_ids")
     if ids is None:
         raise SystemExit(f"no token_ids in the answer: {str(choice)[:500]}")
-    return sum(int(t) == 0 for t in ids[-output_len:])
+    return sum(int(t) == 0 for t in ids)
 
 
 async def wave(client: Any, url: str, batch: list[list[int]], output_len: int,
@@ -332,7 +332,7 @@ async def wave(client: Any, url: str, batch: list[list[int]], output_len: int,
         tokens = int(answer["usage"]["completion_tokens"])
         if tokens != output_len:
             print(f"warning: {tokens} output tokens, {output_len} asked", file=sys.stderr)
-        return tokens, zero_tokens(answer["choices"][0], tokens)
+        return tokens, zero_tokens(answer["choices"][0])
 
     started = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in batch))
@@ -416,10 +416,17 @@ def serve_and_measure(pairs: Sequence[tuple[str, str]], folder: Path, copies: Pa
     return results
 
 
+def checkpoint_layers(folder: Path) -> int:
+    """The layers of the checkpoint written in ``folder`` (its text config's)."""
+    config = json.loads((folder / "config.json").read_text())
+    return int(config.get("text_config", config)["num_hidden_layers"])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     example = runpy.run_path(str(EXAMPLE))
-    shapes = example["Shapes"](**(SHAPES | {"layers": args.linear_layers + 1}))
+    sizes = SHAPES | {"layers": args.linear_layers + 1}
+    shapes = example["Shapes"](**sizes)
     vocab = shapes.vocab - len(example["SPECIAL_TOKENS"])
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.folder or Path(scratch) / "qwen3_5-next-shapes"
@@ -432,6 +439,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             return
         if not (folder / "model.safetensors").exists():
             example["write_checkpoint"](folder, shapes)
+        elif checkpoint_layers(folder) != shapes.layers:
+            raise SystemExit(f"--folder {folder}: its checkpoint has {checkpoint_layers(folder)} layers,"
+                             f" --linear-layers {args.linear_layers} asks for {shapes.layers}")
         logs = args.logs
         logs.mkdir(parents=True, exist_ok=True)
         date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -449,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for line in degenerate(results):
         print(f"not a served step's rate: {line}")
     out = args.json or Path(f"serve-throughput-{date[:10]}.json")
-    out.write_text(json.dumps({"header": head, "shapes": SHAPES | {"layers": args.linear_layers + 1}, "args": {
+    out.write_text(json.dumps({"header": head, "shapes": sizes, "args": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "results": results,
         "rows": rows(results)}, indent=1))
     print(f"wrote {out}")

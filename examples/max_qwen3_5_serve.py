@@ -10,7 +10,8 @@ on localhost, waits for ``/health``, sends a few greedy ``/v1/completions`` with
 prompts side by side, prints the new token ids and stops the server. ``--mode max`` serves
 MAX's own MTP pipeline instead (no ``--custom-architectures``). ``--dflash2`` serves
 DFlash2 instead of MTP: the checkpoint in bf16 and the example's tiny drafter, with
-``--speculative-method dflash2 --draft-model-path DRAFT`` (7 drafts, the drafter's).
+``--speculative-method dflash2 --draft-model-path DRAFT`` (7 drafts, the drafter's) and
+fp32 state pools.
 MAX builds Qwen3.5 pipelines on GPUs only: without one the script writes the checkpoint,
 prints the command and stops there.
 
@@ -37,13 +38,16 @@ PROMPTS = [[1, 2, 3], [7, 5, 9, 11], [40, 41, 42, 43, 44, 45], [300]]
 
 def command(folder: Path, port: int, mode: str, draft: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``max serve`` command line and its environment: MTP, or DFlash2 with the
-    drafter in ``draft`` (a bf16 target: MAX 26.7 runs the drafter in bf16)."""
+    drafter in ``draft`` (a bf16 target: MAX 26.7 runs the drafter in bf16) and fp32 state
+    pools (with MAX's default bf16 pools its own DFlash2 answered token 0 on this
+    checkpoint: docs/integrations.md, "DFlash2")."""
     if draft is None:
         speculative = ["--quantization-encoding", "float32", "--speculative-method", "mtp",
                        "--num-speculative-tokens", "3"]
     else:
         speculative = ["--quantization-encoding", "bfloat16", "--speculative-method", "dflash2",
-                       "--draft-model-path", str(draft), "--draft-quantization-encoding", "bfloat16"]
+                       "--draft-model-path", str(draft), "--draft-quantization-encoding", "bfloat16",
+                       "--state-pool-dtype", "float32"]
     argv = [*max_command(), "serve", "--model-path", str(folder),
             "--weight-path", str(folder / "model.safetensors"), *speculative,
             "--max-length", "256", "--max-batch-size", "8", "--device-memory-utilization", "0.1",

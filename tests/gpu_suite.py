@@ -33,7 +33,8 @@ GROUPS: dict[str, tuple[list[str], str]] = {
     "window": (["test_window_cpu_gpu.py", "test_window_channel.py", "test_window_max_parity.py",
                 "test_window_channel_max_parity.py", "test_window_tree.py"], "load"),
     "range": (["test_range_fold.py", "test_range_verify.py", "test_range_forward.py", "test_range_tree.py"], "load"),
-    "max-layers": (["test_integration_max_qwen3_5.py", "test_integration_max_qwen3_5_devices.py"], "loadfile"),
+    "max-layers": (["test_integration_max_qwen3_5.py", "test_integration_max_qwen3_5_devices.py",
+                    "test_max_conv_rollback.py"], "loadfile"),
     # Three of MAX's pipelines built side by side (411 s on an H200): a group of its own,
     # since with the layer tests beside it the group passed 465 s unfinished on an H100.
     "max-pipeline": (["test_integration_max_qwen3_5_pipeline.py"], "loadfile"),

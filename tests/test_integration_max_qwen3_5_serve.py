@@ -617,7 +617,8 @@ def test_patched_builds_max_s_dflash2_graph_with_only_the_routed_ops_changed(exa
 
 def test_the_dflash2_graph_with_fp32_pools_folds_on_load_into_them(example: dict, dflash2_checkpoint: dict) -> None:
     """The served DFlash2 test's servers keep fp32 state pools (``DFLASH2_POOLS``): the
-    fused graph is built for them, our ops only, the live recurrent pool fp32."""
+    fused graph is built for them, our ops only, the live pools fp32, and the ring's
+    geometry agrees where the cache, the model, the driver and the planner derive it."""
     from max.dtype import DType
     from max.nn.kv_cache import recurrent_leaf
 
@@ -626,9 +627,16 @@ def test_the_dflash2_graph_with_fp32_pools_folds_on_load_into_them(example: dict
     live = recurrent_leaf(built["kv"]).regions[:2]
     assert [region.dtype for region in live] == [DType.float32, DType.float32]
     assert ", 4, 128, 128], f32, gpu:0>" in built["text"]  # the recurrent pool the verify reads
+    assert_dflash2_ring_geometry_agrees(built, example)
 
 
 def test_dflash2_s_three_sites_of_the_ring_geometry_agree(dflash2_graph: dict, example: dict) -> None:
+    assert_dflash2_ring_geometry_agrees(dflash2_graph, example)
+
+
+def assert_dflash2_ring_geometry_agrees(dflash2_graph: dict, example: dict) -> None:
+    """The two-half ring where MAX allocates the cache, where the model keeps it, where the
+    driver declares the state tail and where the planner prices it."""
     from max.nn.kv_cache import recurrent_leaf
     from max.pipelines.architectures.qwen3_5.state_cache import ring_len_for_window
 

@@ -34,7 +34,7 @@ the drafts are almost never accepted: the table compares the cost of a served st
 a speculative speed-up. Every answer's token ids are read back, and each wave reports the
 share of its output tokens that are token 0 (``zero_share``): greedy sampling gives token 0
 for NaN logits, and a server that answers with it throughout accepts every draft (token 0
-again), so its steps keep four tokens and its rate is not a served step's. Such rows are
+again), so each of its steps keeps every draft and its rate is not a served step's. Such rows are
 named under the table.
 
 More Gated DeltaNet layers make the state ops a larger share of a served step (each layer

@@ -229,6 +229,21 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
     assert_verify_matches_reference(runner, case)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", DTYPES)
+@pytest.mark.parametrize("gate", ["head", "channel"])
+def test_gpu_fold_on_load_of_several_chunks_matches_reference(state_dtype: str, gate: str) -> None:
+    """RING_LEN 16 on the throughput kernel, three units a block: folds on load of one to
+    four chunks of records (an odd and an even number of them: a later chunk is copied
+    into the other unit's buffers while the one before is folded), each block's next
+    unit folding in chunks or not."""
+    runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
+    case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
+                              ring_len=16, key_dim=128, value_dim=128, state_dtype=state_dtype, gate=gate)
+    got = case.run_verify(runner.verify_ring, fold_on_load=True)
+    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=True), "fold on load vs reference")
+
+
 # The widest heads the ops take, K = V = 256: a GPU thread then holds 32 state rows of
 # four columns, near its 255 registers, and a block's state tile is twice as tall.
 @pytest.mark.gpu

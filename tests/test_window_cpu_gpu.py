@@ -234,9 +234,8 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
 @pytest.mark.parametrize("gate", ["head", "channel"])
 def test_gpu_fold_on_load_of_several_chunks_matches_reference(state_dtype: str, gate: str) -> None:
     """RING_LEN 16 on the throughput kernel, three units a block: folds on load of one to
-    four chunks of records (an odd and an even number of them: a later chunk is copied
-    into the other unit's buffers while the one before is folded), each block's next
-    unit folding in chunks or not."""
+    four chunks of records (a block stages four at a time; odd and even numbers of
+    chunks), each block's next unit folding in chunks or not."""
     runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
     case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
                               ring_len=16, key_dim=128, value_dim=128, state_dtype=state_dtype, gate=gate)

@@ -909,7 +909,8 @@ async def exercise(server: dict, alone: bool = False) -> dict:
 DFLASH2_POOLS = ("--state-pool-dtype", "float32")
 
 #: name -> (GDFOLD_MAX_QWEN3_5 or None for MAX's own, speculative method or None for plain
-#: decoding, extra flags). The ``dflash2-`` servers serve a bf16 copy of the checkpoint.
+#: decoding, extra flags). The ``dflash2-`` servers serve a bf16 copy of the checkpoint, with
+#: fp32 state pools.
 SERVERS: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
     "fused": ("fused", "mtp", ()),
     "fused-no-overlap": ("fused", "mtp", ("--disable-overlap",)),
@@ -917,17 +918,19 @@ SERVERS: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
     "fold": ("fold", "mtp", ()),
     "max-mtp": (None, "mtp", ()),
     "plain": (None, None, ()),
-    "dflash2-fused": ("fused", "dflash2", ()),
-    "dflash2-fold+verify": ("fold+verify", "dflash2", ()),
-    "dflash2-fold": ("fold", "dflash2", ()),
-    "dflash2-max": (None, "dflash2", ()),
-    "dflash2-plain": (None, None, ()),
+    "dflash2-fused": ("fused", "dflash2", DFLASH2_POOLS),
+    "dflash2-fold+verify": ("fold+verify", "dflash2", DFLASH2_POOLS),
+    "dflash2-fold": ("fold", "dflash2", DFLASH2_POOLS),
+    "dflash2-max": (None, "dflash2", DFLASH2_POOLS),
+    "dflash2-plain": (None, None, DFLASH2_POOLS),
 }
 
 
 def same_graph_waves(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """``names`` split into the servers whose graphs no earlier one builds, and the rest
-    (a server's graph is set by its route and method; its extra flags leave it as is)."""
+    (a server's graph is set by its route and method; ``--disable-overlap`` leaves it as is,
+    and ``DFLASH2_POOLS``, which changes it, every ``dflash2-`` server has, and
+    serve_and_ask never mixes those with others)."""
     seen: set[tuple[str | None, str | None]] = set()
     first, later = [], []
     for name in names:
@@ -977,7 +980,7 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
             copy = tmp_path / f"tiny-{name}"
             shutil.copytree(folder, copy)
             servers[name] = stack.enter_context(served(
-                name, copy, logs, mode=mode, method=method, extra=(*extra, *DFLASH2_POOLS) if dflash2 else extra,
+                name, copy, logs, mode=mode, method=method, extra=extra,
                 encoding="bfloat16" if dflash2 else "float32", draft=draft if method else None))
 
         async def everything() -> dict:

@@ -107,13 +107,14 @@ def test_max_s_conv_rollback_keeps_the_accepted_tokens_window(state_dtype_name: 
     slots = rng.permutation(SLOTS)[:BATCH].astype(np.uint32)
     offsets = np.arange(0, BATCH * (1 + drafts) + 1, 1 + drafts, dtype=np.uint32)
     pool_buffer = host_buffer(pool.copy()).to(device)
+    # What every step reads as it is: uploaded once.
+    weight_buffer, slots_buffer, offsets_buffer = (host_buffer(a).to(device) for a in (weight, slots, offsets))
     want = pool.copy()
     for step in range(STEPS):
         # Every request a different count each step: none, one, all, and between.
         accepted = np.roll(np.array([0, 1, drafts, drafts // 2], np.int64), step)
         qkv = rng.standard_normal((BATCH * (1 + drafts), CONV_DIM)).astype(np.float32)
-        (out,) = model.execute(host_buffer(qkv).to(device), host_buffer(weight).to(device), pool_buffer,
-                               host_buffer(slots).to(device), host_buffer(offsets).to(device),
+        (out,) = model.execute(host_buffer(qkv).to(device), weight_buffer, pool_buffer, slots_buffer, offsets_buffer,
                                host_buffer(accepted).to(device))
         assert np.isfinite(out.to(CPU()).to_numpy()).all(), f"conv output at step {step}"
         want = expected_windows(want, qkv, slots, accepted, drafts)

@@ -44,19 +44,25 @@ def assert_same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], 
         assert_bits_equal(a, b, f"{what}: {name}")
 
 
+def assert_step_matches_reference(runner: WindowRunner, case: WindowCase, *, fold_on_load: bool,
+                                  what: str) -> tuple[np.ndarray, ...]:
+    """The verify (with fold on load where asked) against the reference, bit for bit;
+    returns ours."""
+    got = case.run_verify(runner.verify_ring, fold_on_load=fold_on_load)
+    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=fold_on_load), what)
+    return got
+
+
 def assert_verify_matches_reference(runner: WindowRunner, case: WindowCase) -> None:
     """The verify with fold on load, then without, against the reference, bit for bit."""
     for fold_on_load in (True, False):
-        got = case.run_verify(runner.verify_ring, fold_on_load=fold_on_load)
-        want = case.run_verify(reference.verify_ring, fold_on_load=fold_on_load)
-        assert_same_step(got, want, f"fold_on_load={fold_on_load}")
+        assert_step_matches_reference(runner, case, fold_on_load=fold_on_load, what=f"fold_on_load={fold_on_load}")
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_verify_matches_reference(runner: WindowRunner, state_dtype: str) -> None:
     case = random_window_case(1, state_dtype=state_dtype)
-    got = case.run_verify(runner.verify_ring, fold_on_load=False)
-    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=False), "verify vs reference")
+    got = assert_step_matches_reference(runner, case, fold_on_load=False, what="verify vs reference")
     # The pool is only read, except the request whose window is past RING_LEN.
     committed = case.row_ids[3]
     untouched = np.setdiff1d(np.arange(case.state.shape[0]), [committed])
@@ -80,22 +86,20 @@ def test_precompiled_graphs_serve_the_calls(runner: WindowRunner, device: str) -
 @pytest.mark.parametrize("state_dtype", DTYPES)
 def test_fold_on_load_equals_fold_then_verify(runner: WindowRunner, device: str, state_dtype: str) -> None:
     case = random_window_case(2, state_dtype=state_dtype)
-    fused = case.run_verify(runner.verify_ring, fold_on_load=True)
+    fused = assert_step_matches_reference(runner, case, fold_on_load=True, what="fold on load vs reference")
 
     state, ring = case.fresh()
     folder_for(device).fold(state, ring, case.row_ids[None], case.previous_ring_row_ids[None],
                             case.previous_num_accepted)
     out = runner.verify_ring(*case.tokens(), state, ring, case.row_ids, case.ring_row_ids, case.input_row_offsets)
     assert_same_step(fused, (out, state, ring), "fold on load vs fold then verify")
-    assert_same_step(fused, case.run_verify(reference.verify_ring, fold_on_load=True), "fold on load vs reference")
 
 
 def test_fold_on_load_and_windows_longer_than_a_chunk(runner: WindowRunner) -> None:
     """RING_LEN 8: folds of more records, and recorded windows of more tokens, than a GPU
     block stages at once (4), including a fold with no window after it."""
     case = random_window_case(8, windows=[8, 5, 0, 9, 3], previous_num_accepted=[8, 5, 6, 2, 0], ring_len=8)
-    got = case.run_verify(runner.verify_ring, fold_on_load=True)
-    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=True), "fold on load vs reference")
+    assert_step_matches_reference(runner, case, fold_on_load=True, what="fold on load vs reference")
 
 
 @pytest.mark.parametrize(("num_value_heads", "num_key_heads"), [(3, 3), (8, 2)])
@@ -239,8 +243,7 @@ def test_gpu_fold_on_load_of_several_chunks_matches_reference(state_dtype: str, 
     runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
     case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
                               ring_len=16, key_dim=128, value_dim=128, state_dtype=state_dtype, gate=gate)
-    got = case.run_verify(runner.verify_ring, fold_on_load=True)
-    assert_same_step(got, case.run_verify(reference.verify_ring, fold_on_load=True), "fold on load vs reference")
+    assert_step_matches_reference(runner, case, fold_on_load=True, what="fold on load vs reference")
 
 
 # The widest heads the ops take, K = V = 256: a GPU thread then holds 32 state rows of

@@ -12,7 +12,7 @@ sanitizer=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
 logs=${1:-.}
 mkdir -p "$logs"
 tools=(memcheck racecheck synccheck)
-groups=(${SANITIZE_GROUPS:-fold path latency throughput claimed channel skips shared-row tree})
+groups=(${SANITIZE_GROUPS:-fold path latency throughput claimed channel chunks skips shared-row tree})
 runs=()
 for tool in "${tools[@]}"; do
     for group in "${groups[@]}"; do

@@ -5,7 +5,8 @@ on load and the forward (fp32 and bf16 pools, a ragged batch with a window past 
 and an empty one), on the two GPU window kernels (the latency and throughput kernels,
 each forced), the throughput kernel with claimed units (more units than resident blocks
 at a narrow column tile), and per-channel gates (the fold, and the verify, fold on load
-and forward on each window kernel). Then what only a graph reaches (the eager API refuses
+and forward on each window kernel), and folds on load of one to four record chunks on the
+throughput kernel (``chunks``). Then what only a graph reaches (the eager API refuses
 bad ids on the host): ids past the pool or the ring in GPU graphs of every op and kernel
 (``skips``), and two requests on one row, which race by contract (``shared-row``:
 memcheck only). ``tree``: the tree verify on the latency kernel (random forests of up to
@@ -15,7 +16,7 @@ previous path skipped). Small enough to run under compute-sanitizer (sanitize.sh
 runs the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold path latency throughput claimed channel skips shared-row tree
+    # fold path latency throughput claimed channel chunks skips shared-row tree
 """
 
 from __future__ import annotations
@@ -109,6 +110,20 @@ def run_channel() -> None:
     # Each kernel forced ("auto" runs per-channel gates on the throughput kernel).
     run_windows("per-channel gates, latency kernel", WindowRunner("gpu", gpu_path="latency"), "channel")
     run_windows("per-channel gates, throughput kernel", WindowRunner("gpu", gpu_path="throughput"), "channel")
+
+
+def run_chunks() -> None:
+    """Folds on load of one to four record chunks (RING_LEN 16, four records a chunk) on the
+    throughput kernel, three units a block, so that a block's units fold odd and even
+    numbers of chunks, or none, one after another."""
+    runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
+    for gate, dtype in itertools.product(("head", "channel"), ("float32", "bfloat16")):
+        case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
+                                  ring_len=16, key_dim=128, value_dim=128, state_dtype=dtype, gate=gate)
+        got = case.run_verify(runner.verify_ring, fold_on_load=True)
+        want = case.run_verify(reference.verify_ring, fold_on_load=True)
+        for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
+            same_bits(a, b, f"fold on load of 1 to 4 chunks, {dtype} pool, {gate} gates: {name}")
 
 
 def run_in_graph(runner: WindowRunner, kind: str, case: WindowCase, tables: dict[str, np.ndarray]
@@ -286,6 +301,7 @@ GROUPS = {
     "claimed": lambda: run_windows("claimed units", WindowRunner("gpu", column_tile=8, requests_per_block=3,
                                                                  gpu_path="throughput")),
     "channel": run_channel,
+    "chunks": run_chunks,
     "skips": run_skips,
     "shared-row": run_shared_row,
     "tree": run_trees,

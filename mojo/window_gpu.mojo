@@ -518,7 +518,8 @@ struct ThroughputShared[
 ](ImplicitlyCopyable):
     """The throughput kernel's shared memory, per block. Records and tokens have two
     buffers: one being computed on, one being filled for the next unit (the records' keys
-    have one, see below). The state tile has one, in dynamic shared memory
+    have one, see below; a unit that folds its records in chunks uses both record
+    buffers, folds_in_chunks). The state tile has one, in dynamic shared memory
     (window_tile_bytes): it is moved to registers, and a folded state has left it, before
     the next unit's tile is copied in.
 
@@ -649,7 +650,9 @@ def stores_through_tile[
 @always_inline
 def folds_in_chunks[FOLD_PREVIOUS: Bool](plan: RequestPlan) -> Bool:
     """Whether a unit folds its records in more than one chunk: those chunks pass through
-    the keys' one buffer, so the next unit's records are copied after its fold."""
+    the keys' one buffer and both units' delta and decay buffers (a later chunk is copied
+    into the other buffer while the chunk before is folded), so the next unit's records
+    are copied after its fold."""
     comptime if FOLD_PREVIOUS:
         return plan.runs and plan.accepted > WINDOW_CHUNK
     return False

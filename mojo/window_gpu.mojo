@@ -518,7 +518,8 @@ struct ThroughputShared[
 ](ImplicitlyCopyable):
     """The throughput kernel's shared memory, per block. Records and tokens have two
     buffers: one being computed on, one being filled for the next unit (the records' keys
-    have one, see below). The state tile has one, in dynamic shared memory
+    have one, see below; a unit that folds its records in chunks uses both record
+    buffers, folds_in_chunks). The state tile has one, in dynamic shared memory
     (window_tile_bytes): it is moved to registers, and a folded state has left it, before
     the next unit's tile is copied in.
 
@@ -649,7 +650,9 @@ def stores_through_tile[
 @always_inline
 def folds_in_chunks[FOLD_PREVIOUS: Bool](plan: RequestPlan) -> Bool:
     """Whether a unit folds its records in more than one chunk: those chunks pass through
-    the keys' one buffer, so the next unit's records are copied after its fold."""
+    the keys' one buffer and both units' delta and decay buffers (a later chunk is copied
+    into the other buffer while the chunk before is folded), so the next unit's records
+    are copied after its fold."""
     comptime if FOLD_PREVIOUS:
         return plan.runs and plan.accepted > WINDOW_CHUNK
     return False
@@ -1369,29 +1372,47 @@ def windows_gpu_kernel[
                 var arrived_keys = arrived_record_keys
                 var rdeltas = record_deltas.unsafe_offset(buffer * RECORD_DELTAS)
                 var rdecays = record_decays.unsafe_offset(buffer * RECORD_DECAYS)
+                # A later chunk is copied while the one before it is folded: its deltas
+                # and decays into the other unit's buffers, which a unit that folds in
+                # chunks leaves to it (the next unit's records are copied after the fold,
+                # folds_in_chunks), its keys into the arrived keys' buffer, free once the
+                # chunk before is in lane-major order.
+                var later_deltas = record_deltas.unsafe_offset((1 - buffer) * RECORD_DELTAS)
+                var later_decays = record_decays.unsafe_offset((1 - buffer) * RECORD_DECAYS)
                 for chunk_start in range(0, plan.accepted, CHUNK):
                     var count = min(CHUNK, plan.accepted - chunk_start)
-                    if chunk_start > 0:
-                        barrier()  # done with the previous chunk of records
+                    var later_start = chunk_start + CHUNK
+                    var later_count = min(CHUNK, plan.accepted - later_start)
+                    if later_count > 0:
                         copy_record_chunk[K, V, COLUMN_TILE, CHANNEL](
-                            arrived_keys, rdeltas, rdecays, ring,
-                            record_row + chunk_start * record_stride, count, record_stride,
-                            group_size, group_slot, tile_start, tid,
+                            arrived_keys, later_deltas, later_decays, ring,
+                            record_row + later_start * record_stride, later_count,
+                            record_stride, group_size, group_slot, tile_start, tid,
                         )
                         async_copy_commit_group()
-                        async_copy_wait_all()
-                        barrier()
-                        stage_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
-                            pairs, scalars, queries, keys, arrived_keys, record_keys, count, tid
-                        )
-                        barrier()
                     fold_staged_records[K, COLUMN_TILE, CHANNEL](
                         held, record_keys, rdeltas, rdecays, count, tile_column, lane,
                         lane_major_decays[K](record_keys),
                     )
+                    if later_count > 0:
+                        async_copy_wait_all()
+                        barrier()  # the later chunk has landed; the staged keys are free
+                        stage_record_keys[K, COLUMN_TILE, FOLD_PREVIOUS, CHANNEL](
+                            pairs, scalars, queries, keys, arrived_keys, record_keys,
+                            later_count, tid,
+                        )
+                        barrier()  # the later chunk's keys are in lane-major order
+                        var folded_deltas = rdeltas
+                        var folded_decays = rdecays
+                        rdeltas = later_deltas
+                        rdecays = later_decays
+                        later_deltas = folded_deltas
+                        later_decays = folded_decays
                 if folds_in_chunks[FOLD_PREVIOUS](plan) and next < units:
                     # The last chunk's keys are in lane-major order: the keys' buffer is
-                    # free for the next unit's.
+                    # free for the next unit's. Its deltas may be in the next unit's
+                    # buffer, which every thread must be done with first.
+                    barrier()
                     start_record_copies(plan_of(1 - buffer), next_place, 1 - buffer)
                     async_copy_commit_group()
                 # What a separate fold leaves in the pool, and what a verify reads back.

@@ -29,11 +29,11 @@ def test_every_phase_is_marked_where_it_belongs(tool: dict, tmp_path: Path) -> N
     assert len(phases) <= 8  # the kernel's one SIMD[uint32, 8] of counters
     marks = [int(m) for m in re.findall(r"end_phase\((\d)\)", kernel)]
     assert sorted(set(marks)) == list(range(len(phases)))
-    # The later record chunks' staging is counted apart from the fold's arithmetic: the
-    # fold's mark closes the chunk before, and phase 7's opens the next chunk's fold.
+    # The wait for a later record chunk and its staging are counted apart from the fold's
+    # arithmetic: the fold's mark closes a chunk's fold, phase 7's the later chunk's staging.
     loop = kernel[kernel.index("# 3. Fold on load"):kernel.index("# 4. The window")]
-    assert loop.index("end_phase(3)") < loop.index("copy_record_chunk") < loop.index("end_phase(7)")
-    assert loop.index("end_phase(7)") < loop.index("fold_staged_records")
+    assert loop.index("fold_staged_records") < loop.index("end_phase(3)") < loop.index("stage_record_keys")
+    assert loop.index("stage_record_keys") < loop.index("end_phase(7)")
     assert kernel.rstrip().endswith(tool["FINISH"].rstrip())
 
 
@@ -41,8 +41,8 @@ def test_a_kernel_that_has_moved_on_stops_the_patch(tool: dict, tmp_path: Path) 
     moved = tmp_path / "moved"
     shutil.copytree(ROOT / "mojo", moved)
     kernel = moved / "window_gpu.mojo"
-    kernel.write_text(kernel.read_text().replace("# done with the previous chunk of records", "# moved"))
-    with pytest.raises(SystemExit, match="expected one line 'barrier\\(\\)  # done with the previous chunk"):
+    kernel.write_text(kernel.read_text().replace("# the later chunk's keys are in lane-major order", "# moved"))
+    with pytest.raises(SystemExit, match="expected one line \"barrier\\(\\)  # the later chunk's keys"):
         tool["patched_kernels"](moved, tmp_path / "out")
 
 

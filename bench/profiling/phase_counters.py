@@ -10,8 +10,8 @@ A copy of the kernel package (``--kernels``, default this checkout's ``mojo/``) 
 in a temporary folder: at the end of each phase of a unit (the numbered steps of
 ``window_gpu.mojo``) every thread adds the cycles since the last mark to that phase's
 total (the first unit's ids and the issue of its copies apart from the wait for them, and
-in a fold on load of more than WINDOW_CHUNK records the later chunks' copies and staging
-apart from the fold's arithmetic), and
+in a fold on load of more than WINDOW_CHUNK records the wait for each later chunk and its
+staging apart from the fold's arithmetic), and
 at the end threads 0 and 64 write their totals over the readout of the block's
 first unit's first token (so the readout is wrong; the pool and ring are not touched). One
 step of ``--layers`` layers of the fused verify (or ``--variant forward``: our forward, what
@@ -55,7 +55,7 @@ PHASES = (
     "tokens",
     "before the first unit: L2 hint, previous kernel",
     "first unit: its ids read, its copies issued",
-    "fold on load: later chunks copied and staged",
+    "fold on load: later chunks waited for, staged",
 )
 # Where thread 0's and thread 64's counters land among the block's first readout columns.
 WRITERS = {"thread 0": 0, "thread 64": 16}
@@ -108,12 +108,14 @@ EDITS = (
     ("        barrier()  # the state tile is free, the norms are written, the ids are in\n", "",
      "        end_phase(1)\n"),
     ("        if plan.poisoned:\n", "        end_phase(2)\n", ""),
-    # A fold on load of more than WINDOW_CHUNK records copies each later chunk after the
-    # chunk before it is folded: that wait apart from the fold's arithmetic.
-    ("                        barrier()  # done with the previous chunk of records\n",
+    # A fold on load of more than WINDOW_CHUNK records copies each later chunk while the
+    # chunk before it is folded, then waits for it and puts its keys in lane-major order:
+    # that wait and staging apart from the fold's arithmetic.
+    ("                        async_copy_wait_all()\n"
+     "                        barrier()  # the later chunk has landed; the staged keys are free\n",
      "                        end_phase(3)\n", ""),
-    ("                    fold_staged_records[K, COLUMN_TILE, CHANNEL](\n",
-     "                    if chunk_start > 0:\n                        end_phase(7)\n", ""),
+    ("                        barrier()  # the later chunk's keys are in lane-major order\n", "",
+     "                        end_phase(7)\n"),
     ("        # 4. The window, WINDOW_CHUNK tokens at a time.\n", "        end_phase(3)\n", ""),
     ("        # 5. A forward, or a window too long for the ring, commits the state.\n",
      "        end_phase(4)\n", ""),

@@ -237,8 +237,8 @@ def test_gpu_tilings_match_reference(state_dtype: str, column_tile: int | None, 
 @pytest.mark.parametrize("state_dtype", DTYPES)
 @pytest.mark.parametrize("gate", ["head", "channel"])
 def test_gpu_fold_on_load_of_several_chunks_matches_reference(state_dtype: str, gate: str) -> None:
-    """RING_LEN 16 on the throughput kernel, three units a block: folds on load of one to
-    four chunks of records (a block stages four at a time; odd and even numbers of
+    """RING_LEN 16 on the throughput kernel, three units a block: folds on load of two to
+    four chunks of records, or none (a block stages four at a time; odd and even numbers of
     chunks), each block's next unit folding in chunks or not."""
     runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
     case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],

@@ -5,7 +5,7 @@ on load and the forward (fp32 and bf16 pools, a ragged batch with a window past 
 and an empty one), on the two GPU window kernels (the latency and throughput kernels,
 each forced), the throughput kernel with claimed units (more units than resident blocks
 at a narrow column tile), and per-channel gates (the fold, and the verify, fold on load
-and forward on each window kernel), and folds on load of one to four record chunks on the
+and forward on each window kernel), and folds on load of two to four record chunks on the
 throughput kernel (``chunks``). Then what only a graph reaches (the eager API refuses
 bad ids on the host): ids past the pool or the ring in GPU graphs of every op and kernel
 (``skips``), and two requests on one row, which race by contract (``shared-row``:
@@ -113,9 +113,9 @@ def run_channel() -> None:
 
 
 def run_chunks() -> None:
-    """Folds on load of one to four record chunks (RING_LEN 16, four records a chunk) on the
-    throughput kernel, three units a block, so that a block's units fold odd and even
-    numbers of chunks, or none, one after another."""
+    """Folds on load of two to four record chunks, or none (RING_LEN 16, four records a
+    chunk), on the throughput kernel, three units a block, so that a block's units fold
+    odd and even numbers of chunks, or none, one after another."""
     runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
     for gate, dtype in itertools.product(("head", "channel"), ("float32", "bfloat16")):
         case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import WINDOW_TARGETS, assert_bits_equal, assert_recurrence_matches_reference
 from gdfold_max import reference
-from gdfold_max.cases import WindowCase, random_window_case
+from gdfold_max.cases import WindowCase, chunked_fold_on_load_case, random_window_case
 from gdfold_max.eager.fold import folder_for
 from gdfold_max.eager.window import WindowRunner, runner_for
 
@@ -241,8 +241,7 @@ def test_gpu_fold_on_load_of_several_chunks_matches_reference(state_dtype: str, 
     four chunks of records, or none (a block stages four at a time; odd and even numbers of
     chunks), each block's next unit folding in chunks or not."""
     runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
-    case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
-                              ring_len=16, key_dim=128, value_dim=128, state_dtype=state_dtype, gate=gate)
+    case = chunked_fold_on_load_case(state_dtype, gate)
     assert_step_matches_reference(runner, case, fold_on_load=True, what="fold on load vs reference")
 
 

@@ -354,7 +354,7 @@ async def measure_server(url: str, args: argparse.Namespace, vocab: int, log: Pa
                       "seconds": seconds, "tokens_per_s": rate(tokens, seconds),
                       "zero_share": zeros / tokens if tokens else None}
             line = (f"  {concurrency:>3} concurrent: {tokens} tokens in {seconds:.2f} s,"
-                    f" {rate(tokens, seconds):,.1f} tokens/s, {zeros / max(tokens, 1):.0%} token 0")
+                    f" {rate(tokens, seconds):,.1f} tokens/s, {result['zero_share'] or 0:.0%} token 0")
             if args.step_stats:
                 await asyncio.sleep(0.5)  # the last batch's line
                 with log.open("rb") as stream:

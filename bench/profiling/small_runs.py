@@ -29,10 +29,23 @@ from max.driver import CPU
 from max.dtype import DType
 
 from gdfold_max import WindowRunner, fold, folder_for, reference, runner_for
-from gdfold_max.cases import WindowCase, random_accepted_nodes, random_fold_case, random_parents, random_window_case
+from gdfold_max.cases import (
+    WindowCase,
+    chunked_fold_on_load_case,
+    random_accepted_nodes,
+    random_fold_case,
+    random_parents,
+    random_window_case,
+)
 from gdfold_max.eager.base import copy_back, host_buffer
 from gdfold_max.eager.fold import validate_fold
 from gdfold_max.layout import Gate
+
+
+def same_step(got: tuple[np.ndarray, ...], want: tuple[np.ndarray, ...], what: str) -> None:
+    """A window op's readout, pool and ring, each bit for bit."""
+    for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
+        same_bits(a, b, f"{what}: {name}")
 
 
 def same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -93,9 +106,7 @@ def run_windows(label: str, runner: WindowRunner, gate: Gate = "head") -> None:
         for previous in (False, True):
             got = case.run_verify(runner.verify_ring, fold_on_load=previous)
             want = case.run_verify(reference.verify_ring, fold_on_load=previous)
-            what = f"{'verify with fold on load' if previous else 'verify'}, {dtype} pool, {label}"
-            for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
-                same_bits(a, b, f"{what}: {name}")
+            same_step(got, want, f"{'verify with fold on load' if previous else 'verify'}, {dtype} pool, {label}")
         pool = case.state.copy()
         out = runner.recurrence(*case.tokens(), pool, case.row_ids, case.input_row_offsets)
         want_pool = case.state.copy()
@@ -113,17 +124,14 @@ def run_channel() -> None:
 
 
 def run_chunks() -> None:
-    """Folds on load of two to four record chunks, or none (RING_LEN 16, four records a
-    chunk), on the throughput kernel, three units a block, so that a block's units fold
-    odd and even numbers of chunks, or none, one after another."""
+    """Folds on load in chunks (cases.chunked_fold_on_load_case) on the throughput kernel,
+    three units a block."""
     runner = WindowRunner("gpu", requests_per_block=3, gpu_path="throughput")
     for gate, dtype in itertools.product(("head", "channel"), ("float32", "bfloat16")):
-        case = random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
-                                  ring_len=16, key_dim=128, value_dim=128, state_dtype=dtype, gate=gate)
-        got = case.run_verify(runner.verify_ring, fold_on_load=True)
-        want = case.run_verify(reference.verify_ring, fold_on_load=True)
-        for name, a, b in zip(("readout", "pool", "ring"), got, want, strict=True):
-            same_bits(a, b, f"fold on load of 1 to 4 chunks, {dtype} pool, {gate} gates: {name}")
+        case = chunked_fold_on_load_case(dtype, gate)
+        same_step(case.run_verify(runner.verify_ring, fold_on_load=True),
+                  case.run_verify(reference.verify_ring, fold_on_load=True),
+                  f"fold on load in chunks, {dtype} pool, {gate} gates")
 
 
 def run_in_graph(runner: WindowRunner, kind: str, case: WindowCase, tables: dict[str, np.ndarray]
@@ -246,9 +254,7 @@ def run_trees() -> None:
                                          **extra)
             what = (f"tree verify{' with fold on load' if fold_on_load else ''}, RING_LEN {ring_len}, {dtype}"
                     f" pool, {gate} gates")
-            for name, a, b in zip(("readout", "pool", "ring"), (got, state, ring), (want, want_state, want_ring),
-                                  strict=True):
-                same_bits(a, b, f"{what}: {name}")
+            same_step((got, state, ring), (want, want_state, want_ring), what)
     # In GPU graphs: request 0's node 1 names itself; with fold on load, either that or
     # request 0's previous path backwards (it folds the whole ring, in order, otherwise).
     ring_len, windows = TREE_WINDOWS[0]

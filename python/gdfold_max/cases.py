@@ -323,6 +323,15 @@ def random_window_case(
     )
 
 
+def chunked_fold_on_load_case(state_dtype: str = "float32", gate: Gate = "head") -> WindowCase:
+    """RING_LEN 16 at K = V = 128, windows of 16, 3, 8, 1, 5, 2 and 4 tokens after folds on
+    load of 9, 12, 16, 13, 5, 0 and 8 records: two to four chunks of four records, or none,
+    so that units of three to a block fold odd and even numbers of chunks one after
+    another (the throughput kernel stages a fold on load four records at a time)."""
+    return random_window_case(16, windows=[16, 3, 8, 1, 5, 2, 4], previous_num_accepted=[9, 12, 16, 13, 5, 0, 8],
+                              ring_len=16, key_dim=128, value_dim=128, state_dtype=state_dtype, gate=gate)
+
+
 def random_parents(seed: int, windows: list[int], ring_len: int) -> NDArray:
     """A random token tree per request (``trees``' ``parents`` table ``[batch, RING_LEN]``
     int32): node 0 continues the committed state, every later node picks its parent among

@@ -689,7 +689,8 @@ def test_the_fused_dflash2_model_refuses_to_load_unless_asked(monkeypatch: pytes
             monkeypatch.delenv(dflash2.UNVALIDATED_ENV, raising=False)
         else:
             monkeypatch.setenv(dflash2.UNVALIDATED_ENV, value)
-        with pytest.raises(RuntimeError, match="GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated"):
+        found = "unset" if value is None else f"'{value}'"
+        with pytest.raises(RuntimeError, match=rf"GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated .* is {found}\)"):
             model.load_model(None)  # type: ignore[arg-type]
     # Asked for, it goes on to MAX's loading (which needs a model built in full).
     monkeypatch.setenv(dflash2.UNVALIDATED_ENV, "unvalidated")
@@ -1036,8 +1037,10 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
     print(json.dumps({name: r["first"] for name, r in results.items()}, indent=None))
     print(json.dumps({name: {"alone": r["alone"], "second": r["second"]} for name, r in results.items()},
                      indent=None))
-    # Every server's failures, not the first one's alone.
+    # Every server's failures, not the first one's alone, printed whole (pytest shortens
+    # the assertion's message).
     failures = served_failures(results, dflash2)
+    print(json.dumps({"failures": failures}, indent=None))
     assert not failures, failures
     return results
 

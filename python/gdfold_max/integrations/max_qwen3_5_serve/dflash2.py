@@ -93,11 +93,14 @@ class FusedDflash2Model(FusedBuild, UnifiedDflash2Qwen3_5Model):
         """Refuses, unless asked for by ``GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated``: served
         on an H100, the fused DFlash2 step answered each prompt asked alone with one
         ordinary token and then token 0 (docs/integrations.md, "DFlash2")."""
-        if os.environ.get(UNVALIDATED_ENV) != "unvalidated":
+        value = os.environ.get(UNVALIDATED_ENV)
+        if value != "unvalidated":
+            found = "unset" if value is None else f"{value!r}"
             raise RuntimeError(
-                "GDFOLD_MAX_QWEN3_5=fused with --speculative-method dflash2: the fused DFlash2 step is not"
-                " validated (served on an H100 it answered token 0 after the first token); serve DFlash2 with"
-                f" MAX's own pipeline, or set {UNVALIDATED_ENV}=unvalidated to load it all the same")
+                "GDFOLD_MAX_QWEN3_5=fused (the default) with --speculative-method dflash2: the fused DFlash2"
+                " step is not validated (served on an H100 it answered token 0 after the first token); serve"
+                f" DFlash2 with MAX's own pipeline, or set {UNVALIDATED_ENV}=unvalidated to load it all the same"
+                f" ({UNVALIDATED_ENV} is {found})")
         return super().load_model(session)
 
     @classmethod

@@ -877,9 +877,11 @@ async def completion_ids(client: Any, url: str, prompt: list[int], new_tokens: i
     return [int(t) for t in ids][-new_tokens:]
 
 
-async def cancel_a_stream(client: Any, url: str) -> int:
-    """A streamed completion dropped after two chunks; returns the chunks read."""
-    chunks = 0
+async def cancel_a_stream(client: Any, url: str) -> tuple[int, list[str]]:
+    """A streamed completion dropped after two chunks; returns the chunks read and what
+    each held (its token count and finish reason, or its error), so that a stream that
+    ended before it could be dropped says how."""
+    chunks, held = 0, []
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as reply:
@@ -887,9 +889,24 @@ async def cancel_a_stream(client: Any, url: str) -> int:
         async for line in reply.aiter_lines():
             if line.startswith("data:") and line.strip() != "data: [DONE]":
                 chunks += 1
+                held.append(chunk_summary(line[len("data:"):]))
                 if chunks == 2:
                     break
-    return chunks
+    return chunks, held
+
+
+def chunk_summary(data: str) -> str:
+    """One streamed chunk in a few words: its tokens and finish reason, or its error."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return f"not JSON: {data.strip()[:120]}"
+    if "error" in event or not event.get("choices"):
+        return f"error: {json.dumps(event)[:200]}"
+    choice = event["choices"][0]
+    ids = choice.get("token_ids")
+    held = f"{len(ids)} tokens" if ids is not None else f"text of {len(choice.get('text') or '')} characters"
+    return f"{held}, finish_reason {choice.get('finish_reason')}"
 
 
 async def exercise(server: dict) -> dict:
@@ -911,13 +928,13 @@ async def exercise(server: dict) -> dict:
         def wave() -> Any:
             return asyncio.gather(*(completion_ids(client, url, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)))
 
-        first, chat_reply, chunks = await asyncio.gather(wave(), chat, cancel_a_stream(client, url))
+        first, chat_reply, (chunks, held) = await asyncio.gather(wave(), chat, cancel_a_stream(client, url))
         second = await wave()
         after = await one_at_a_time()
         healthy = (await client.get(url + "/health")).status_code
     assert chat_reply.status_code == 200, chat_reply.text
     message = chat_reply.json()["choices"][0]["message"]
-    return {"first": list(first), "second": list(second), "chunks": chunks, "healthy": healthy,
+    return {"first": list(first), "second": list(second), "chunks": chunks, "held": held, "healthy": healthy,
             "alone": before, "alone_after": after,
             "chat": (message.get("content") or "") + (message.get("reasoning_content") or "")}
 
@@ -1062,7 +1079,8 @@ def served_failures(results: dict[str, dict], dflash2: bool) -> list[str]:
     failures = []
     for name, r in results.items():
         if r["chunks"] != 2 or r["healthy"] != 200:
-            failures.append(f"{name}: {r['chunks']} chunks of the cancelled stream, /health {r['healthy']}")
+            failures.append(f"{name}: {r['chunks']} chunks of the cancelled stream ({'; '.join(r.get('held', []))}),"
+                            f" /health {r['healthy']}")
         waves = [w for w in ("first", "second", "alone", "alone_after") if r[w] is not None]
         for wave in waves:
             if [len(ids) for ids in r[wave]] != LENGTHS:
@@ -1076,6 +1094,15 @@ def served_failures(results: dict[str, dict], dflash2: bool) -> list[str]:
         if not dflash2 and r["second"] != r["first"]:
             failures.append(f"{name}: the second wave differs")
     return failures
+
+
+def test_a_streamed_chunk_is_told_by_its_tokens_finish_reason_or_error() -> None:
+    assert chunk_summary(' {"choices": [{"token_ids": [4, 5], "finish_reason": null}]}') == (
+        "2 tokens, finish_reason None")
+    assert chunk_summary('{"choices": [{"text": "w1 w2", "finish_reason": "length"}]}') == (
+        "text of 5 characters, finish_reason length")
+    assert chunk_summary('{"error": {"message": "too long"}}') == 'error: {"error": {"message": "too long"}}'
+    assert chunk_summary("oops") == "not JSON: oops"
 
 
 def test_the_served_rules_catch_what_the_served_runs_broke() -> None:
@@ -1100,13 +1127,13 @@ def test_the_served_rules_catch_what_the_served_runs_broke() -> None:
                "dflash2-fused+": alone | {"first": one_zero, "alone": turned, "alone_after": turned},
                "dflash2-max": alone | {"second": other},  # a bf16 target's waves may differ
                "dflash2-fold": alone | {"alone_after": other},
-               "dflash2-plain": alone | {"first": good[:-1], "chunks": 1}}
+               "dflash2-plain": alone | {"first": good[:-1], "chunks": 1, "held": ["3 tokens, finish_reason length"]}}
     assert served_failures(answers, dflash2=True) == [
         "dflash2-fused: token 0 to the end, (wave, prompt, from token) [('second', 0, 0)]",
         "dflash2-fused+: token 0 to the end, (wave, prompt, from token) [('alone', 0, 1), ('alone', 1, 1),"
         " ('alone_after', 0, 1), ('alone_after', 1, 1)]",
         "dflash2-fold: a prompt alone after the concurrent waves differs from before",
-        "dflash2-plain: 1 chunks of the cancelled stream, /health 200",
+        "dflash2-plain: 1 chunks of the cancelled stream (3 tokens, finish_reason length), /health 200",
         f"dflash2-plain: first: lengths {LENGTHS[:-1]}, not {LENGTHS}",
     ]
 

@@ -39,12 +39,22 @@ parent step in the window's order as chain tokens, each followed by its leaf chi
 whose parent is not the last of them stepped reloads the committed state from the pool
 and folds its parent's root path in, root first (fold_root_path). The throughput kernel
 runs chains only.
+
+A tree unit may be LEAF_WARPS warps (a launch with few units: window_launch.mojo): every
+warp steps the inner nodes from the same loads, with the same bits, and each steps its
+share of the leaves (every LEAF_WARPS-th leaf), so a unit's chain of steps is its inner nodes
+and a share of its leaves rather than all its nodes. The block's first warp stages the
+tokens for all of them, and block barriers stand where the one warp's barriers stand.
+What several warps store twice (an inner node's readout and record, the fold on load's
+state) they store with the same bits; no warp stores the state before every warp has
+loaded it.
 """
 
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
+from std.bit import pop_count
 from std.math import fma
 from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
@@ -488,11 +498,22 @@ def tree_is_valid[
 
 
 @always_inline
+def staging_barrier[LEAF_WARPS: Int]():
+    """The barrier after which a unit's staged tokens are ready, or every lane is done
+    with them: the warp's, or the block's where the unit is several warps (the first
+    warp stages for all)."""
+    comptime if LEAF_WARPS > 1:
+        barrier()
+    else:
+        syncwarp()
+
+
+@always_inline
 def warp_ring_visible():
     """Makes every global store a lane of the warp issued before it visible to every
-    lane's loads after it: a fence of the lane's stores at the CTA's scope (the warp is
-    the block), then the warp's barrier, which orders memory among the lanes that pass
-    it (PTX bar.warp.sync)."""
+    lane's loads after it: a fence of the lane's stores at the CTA's scope (the block:
+    the warp, or a tree unit's warps, of which each stores the same bits here), then the
+    warp's barrier, which orders memory among the lanes that pass it (PTX bar.warp.sync)."""
     inlined_assembly["fence.acq_rel.cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
     syncwarp()
 
@@ -666,7 +687,7 @@ def tree_inner_nodes(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, win
 
 @always_inline
 def step_leaves[
-    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool
+    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool, LEAF_WARPS: Int
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     ring: Pointer[Float32, MutAnyOrigin],
@@ -691,14 +712,22 @@ def step_leaves[
     lane: Int,
     writes_column: Bool,
     records: Bool,
+    leaf_warp: Int,
 ):
     """Steps the leaves (nodes outside `inner`) whose parent is `parent` (-1: the
     committed state) on the held state, `parent`'s, which they leave as it was
-    (leaf_token): each one's readout, and its delta columns into its record."""
+    (leaf_token): each one's readout, and its delta columns into its record. Of a unit
+    of LEAF_WARPS warps, warp `leaf_warp` steps the window's leaves whose rank among its
+    leaves is leaf_warp modulo LEAF_WARPS."""
     var slot = slab_slot[CV](lane)
     for node in range(parent + 1, window):
         if (inner >> node) & 1 != 0:
             continue
+        comptime if LEAF_WARPS > 1:
+            # The leaves before this one: every LEAF_WARPS-th leaf of the window is this
+            # warp's, so each warp has its share whatever order the window lists them in.
+            if pop_count(~inner & ((1 << node) - 1)) % LEAF_WARPS != leaf_warp:
+                continue
         if Int(parents[unsafe_offset=request * RING_LEN + node]) != parent:
             continue
         var leaf = leaf_token[K, V, CHANNEL](
@@ -750,6 +779,7 @@ def latency_unit[
     CV: Int,
     CHANNEL: Bool,
     TREE: Bool,
+    LEAF_WARPS: Int = 1,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -774,11 +804,13 @@ def latency_unit[
     previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
 ):
     """One warp's unit: a request on one slab of SLAB value columns of one value head,
-    its state in the warp's registers from the first load to the last store.
+    its state in the warp's registers from the first load to the last store (a tree's
+    unit may be LEAF_WARPS such warps, each holding the state).
 
     With `TREE` (windows_gpu_latency_tree_kernel) the window is a token tree, node i a
     child of node `parents[request, i]`; `parents` and `previous_nodes` are read with
-    TREE alone."""
+    TREE alone. A tree unit may be LEAF_WARPS warps, which share its leaves."""
+    comptime assert LEAF_WARPS == 1 or TREE, "only a tree's leaves are shared among warps"
     comptime SLAB = latency_slab_columns[CV]()
     comptime SLABS_PER_HEAD = V // SLAB
     comptime ROWS = K // REDUCTION_LANES
@@ -805,6 +837,11 @@ def latency_unit[
     var key_head = value_head // group_size
     var group_slot = value_head - key_head * group_size
     var tid = Int(thread_idx.x)
+    # The thread's warp in the unit, and from here on its index in that warp.
+    var leaf_warp = 0
+    comptime if LEAF_WARPS > 1:
+        leaf_warp = tid // WARP_THREADS
+        tid = tid % WARP_THREADS
     var lane = tid % REDUCTION_LANES
     var group_column = (tid // REDUCTION_LANES) * CV  # this thread's first column in a slab
     var slot = slab_slot[CV](lane)
@@ -898,6 +935,9 @@ def latency_unit[
     # other PTX.
     @always_inline
     def copy_tokens(first: Int, count: Int) {imm}:
+        comptime if LEAF_WARPS > 1:
+            if leaf_warp != 0:
+                return  # the unit's first warp stages the tokens for every warp
         staged.copy_tokens(
             qkv, decay, beta, first, count, num_key_heads, key_head, num_value_heads,
             value_head, slab_start, tid,
@@ -961,7 +1001,9 @@ def latency_unit[
 
         if staging:
             async_copy_wait_all()
-            syncwarp()
+            # With several warps a block barrier: past it every warp has also loaded the
+            # state, so the fold on load's store below overwrites no warp's load.
+            staging_barrier[LEAF_WARPS]()
 
         # 2. Fold on load: the previous step's accepted records, as the fold applies them.
         comptime if FOLD_PREVIOUS:
@@ -999,21 +1041,22 @@ def latency_unit[
         comptime if TREE:
             inner = tree_inner_nodes(parents, request * RING_LEN, end - start)
             # The leaves whose parent is the committed state.
-            step_leaves[K, V, RING_LEN, CHANNEL](
+            step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
                 readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
                 end - start, record_row_base, record_stride, num_key_heads, key_head,
                 num_value_heads, value_head, group_slot, column, lane, writes_column, records,
+                leaf_warp,
             )
 
         # 3. The window, a chunk of tokens at a time.
         for chunk_start in range(start, end, CHUNK):
             var count = min(CHUNK, end - chunk_start)
             if chunk_start > start:
-                syncwarp()  # every lane is done with the previous chunk
+                staging_barrier[LEAF_WARPS]()  # every lane is done with the previous chunk
                 copy_tokens(chunk_start, count)
                 async_copy_commit_group()
                 async_copy_wait_all()
-                syncwarp()
+                staging_barrier[LEAF_WARPS]()
             if staging or chunk_start > start:
                 chunk_norms[K](pairs, count, lane, inverse_key_norms, query_scales)
             comptime if TREE:
@@ -1032,7 +1075,8 @@ def latency_unit[
                     if steps and parent != last_stepped:
                         # The committed state: the pool, which a verify never writes
                         # but for a fold on load's result, stored above by this very
-                        # thread (the same addresses: program order).
+                        # thread (the same addresses: program order; a unit's other
+                        # warps store the same bits there).
                         comptime for m in range(ROWS):
                             held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
                                 m * REDUCTION_LANES * V
@@ -1062,11 +1106,11 @@ def latency_unit[
                                 ring[unsafe_offset=(record_row_base + node) * record_stride
                                     + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
                         last_stepped = node
-                        step_leaves[K, V, RING_LEN, CHANNEL](
+                        step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
                             readout, ring, qkv, decay, beta, parents, held, inner, node,
                             request, start, end - start, record_row_base, record_stride,
                             num_key_heads, key_head, num_value_heads, value_head,
-                            group_slot, column, lane, writes_column, records,
+                            group_slot, column, lane, writes_column, records, leaf_warp,
                         )
             else:
                 # Unrolled, so that a token's readout shuffles overlap the next token's sums.
@@ -1085,7 +1129,9 @@ def latency_unit[
                                 ring[unsafe_offset=(record_row_base + token - start) * record_stride
                                     + delta_offset[K, V](group_slot) + column + slot] = u
             comptime if RECORD:
-                if records and slab == 0:
+                # The keys and decays of a record come from the staged chunk, the same for
+                # every warp of a unit: its first warp writes them.
+                if records and slab == 0 and leaf_warp == 0:
                     write_chunk_records[K, V, CHANNEL](
                         ring, (record_row_base + chunk_start - start) * record_stride,
                         record_stride, count, pairs, scalars, token_decays, group_size,
@@ -1159,7 +1205,7 @@ def windows_gpu_latency_kernel[
 
 
 @__llvm_metadata(
-    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS * LEAF_WARPS)),
 )
 def windows_gpu_latency_tree_kernel[
     state_dtype: DType,
@@ -1169,6 +1215,7 @@ def windows_gpu_latency_tree_kernel[
     FOLD_PREVIOUS: Bool,
     CV: Int,
     CHANNEL: Bool = False,
+    LEAF_WARPS: Int = 1,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -1193,8 +1240,9 @@ def windows_gpu_latency_tree_kernel[
     previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
 ):
     """The tree verify's unit (latency_unit with TREE): a request's token tree on one
-    slab of one value head. It records, as a chain verify does, and never commits."""
-    latency_unit[state_dtype, K, V, RING_LEN, True, FOLD_PREVIOUS, CV, CHANNEL, True](
+    slab of one value head, a block of LEAF_WARPS warps that share its leaves. It
+    records, as a chain verify does, and never commits."""
+    latency_unit[state_dtype, K, V, RING_LEN, True, FOLD_PREVIOUS, CV, CHANNEL, True, LEAF_WARPS](
         readout,
         state,
         ring,

@@ -40,21 +40,24 @@ whose parent is not the last of them stepped reloads the committed state from th
 and folds its parent's root path in, root first (fold_root_path). The throughput kernel
 runs chains only.
 
-A tree unit may be LEAF_WARPS warps (a launch with few units: window_launch.mojo): every
-warp steps the inner nodes from the same loads, with the same bits, and each steps its
-share of the leaves (every LEAF_WARPS-th leaf), so a unit's chain of steps is its inner nodes
-and a share of its leaves rather than all its nodes. The block's first warp stages the
-tokens for all of them, and block barriers stand where the one warp's barriers stand.
-What several warps store twice (an inner node's readout and record, the fold on load's
-state) they store with the same bits; no warp stores the state before every warp has
-loaded it.
+A tree unit may be LEAF_WARPS warps (a launch with few units: window_launch.mojo). Its
+first warp does all that one warp does but step leaves: it stages, folds on load and steps
+the inner nodes, and where one warp would step a node's leaves (step_leaves) it writes the
+node's state, as it holds it, to one of two state buffers in shared memory and meets the
+other warps at a block barrier (publish_state). The other LEAF_WARPS - 1 warps, the leaf
+warps, meet it there once for each node with leaf children (-1, the committed state, first,
+then the inner nodes in the window's order: leaf_warps_unit), read the state into the same
+registers the first warp held it in, and step their share of its leaves, every (LEAF_WARPS -
+1)-th by rank among them, with leaf_token's arithmetic: the same floats, the same bits. So a
+unit's chain of steps is its inner nodes, with its leaves stepped beside the next inner node.
+At the barrier of the next node with leaves every leaf warp is done with the buffer before,
+which the first warp writes only after it.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
-from std.bit import pop_count
 from std.math import fma
 from std.sys import inlined_assembly, size_of
 from std.utils import StaticTuple
@@ -498,22 +501,11 @@ def tree_is_valid[
 
 
 @always_inline
-def staging_barrier[LEAF_WARPS: Int]():
-    """The barrier after which a unit's staged tokens are ready, or every lane is done
-    with them: the warp's, or the block's where the unit is several warps (the first
-    warp stages for all)."""
-    comptime if LEAF_WARPS > 1:
-        barrier()
-    else:
-        syncwarp()
-
-
-@always_inline
 def warp_ring_visible():
     """Makes every global store a lane of the warp issued before it visible to every
-    lane's loads after it: a fence of the lane's stores at the CTA's scope (the block:
-    the warp, or a tree unit's warps, of which each stores the same bits here), then the
-    warp's barrier, which orders memory among the lanes that pass it (PTX bar.warp.sync)."""
+    lane's loads after it: a fence of the lane's stores at the CTA's scope (the warp is
+    the block), then the warp's barrier, which orders memory among the lanes that pass
+    it (PTX bar.warp.sync)."""
     inlined_assembly["fence.acq_rel.cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
     syncwarp()
 
@@ -717,19 +709,20 @@ def step_leaves[
     """Steps the leaves (nodes outside `inner`) whose parent is `parent` (-1: the
     committed state) on the held state, `parent`'s, which they leave as it was
     (leaf_token): each one's readout, and its delta columns into its record. Of a unit
-    of LEAF_WARPS warps, warp `leaf_warp` steps the window's leaves whose rank among its
-    leaves is leaf_warp modulo LEAF_WARPS."""
+    of LEAF_WARPS warps, leaf warp `leaf_warp` (1 to LEAF_WARPS - 1) steps the leaves of
+    `parent` whose rank among them is leaf_warp - 1 modulo LEAF_WARPS - 1."""
     var slot = slab_slot[CV](lane)
+    var rank = 0
     for node in range(parent + 1, window):
         if (inner >> node) & 1 != 0:
             continue
-        comptime if LEAF_WARPS > 1:
-            # The leaves before this one: every LEAF_WARPS-th leaf of the window is this
-            # warp's, so each warp has its share whatever order the window lists them in.
-            if pop_count(~inner & ((1 << node) - 1)) % LEAF_WARPS != leaf_warp:
-                continue
         if Int(parents[unsafe_offset=request * RING_LEN + node]) != parent:
             continue
+        comptime if LEAF_WARPS > 1:
+            var mine = rank % (LEAF_WARPS - 1) == leaf_warp - 1
+            rank += 1
+            if not mine:
+                continue
         var leaf = leaf_token[K, V, CHANNEL](
             held, qkv, decay, beta, start + node, num_key_heads, key_head, num_value_heads,
             value_head, column, lane,
@@ -740,6 +733,90 @@ def step_leaves[
             if records:
                 ring[unsafe_offset=(record_row_base + node) * record_stride
                     + delta_offset[K, V](group_slot) + column + slot] = leaf[1]
+
+
+@always_inline
+def parents_of_leaves(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, window: Int) -> Int:
+    """The bit set of the parents that have leaf children: bit p + 1 for parent p (bit 0
+    for -1, the committed state; checked parents). Every lane reads the same."""
+    var inner = tree_inner_nodes(parents, nodes_at, window)
+    var marks = 0
+    for node in range(window):
+        if (inner >> node) & 1 == 0:
+            marks |= 1 << (Int(parents[unsafe_offset=nodes_at + node]) + 1)
+    return marks
+
+
+@always_inline
+def published_at[ROWS: Int, CV: Int](round: Int, tid: Int, m: Int) -> Int:
+    """Where thread `tid` of a warp keeps state row m of its columns in the state buffer
+    of round `round` (two buffers, alternated): 16-byte vectors side by side, so that a
+    warp's stores and loads of one row meet no bank twice."""
+    return (round % 2) * (ROWS * WARP_THREADS * CV) + (m * WARP_THREADS + tid) * CV
+
+
+@always_inline
+def publish_state[
+    ROWS: Int, CV: Int, //
+](published: SharedFloats, held: Array[SIMD[DType.float32, CV], ROWS], round: Int, tid: Int):
+    """The first warp of a tree unit: writes the state it holds, a parent's, to the state
+    buffer of round `round`, then meets the leaf warps, which read it past the barrier.
+    Every leaf warp is done with that buffer's last state, round - 2's: it met this warp
+    at round - 1's barrier after stepping its leaves."""
+    comptime for m in range(ROWS):
+        published.unsafe_store[alignment=CV * 4](published_at[ROWS, CV](round, tid, m), held[m])
+    barrier()
+
+
+@always_inline
+def leaf_warps_unit[
+    ROWS: Int, CV: Int, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool, LEAF_WARPS: Int
+](
+    published: SharedFloats,
+    with_leaves: Int,
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    request: Int,
+    start: Int,
+    window: Int,
+    record_row_base: Int,
+    record_stride: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    group_slot: Int,
+    column: Int,
+    lane: Int,
+    writes_column: Bool,
+    tid: Int,
+    leaf_warp: Int,
+):
+    """A leaf warp's part of a tree unit: for each parent with leaf children, in the order
+    the first warp publishes them (-1, then the inner nodes in the window's order), the
+    parent's state read from the round's buffer into the registers the first warp held it
+    in, and this warp's share of its leaves stepped on it (step_leaves)."""
+    var inner = tree_inner_nodes(parents, request * RING_LEN, window)
+    var round = 0
+    for parent in range(-1, window):
+        if (with_leaves >> (parent + 1)) & 1 == 0:
+            continue
+        barrier()  # the first warp has published the parent's state
+        var held = Array[SIMD[DType.float32, CV], ROWS](uninitialized=True)
+        comptime for m in range(ROWS):
+            held[m] = published.unsafe_load[width=CV, alignment=CV * 4](
+                published_at[ROWS, CV](round, tid, m)
+            )
+        step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+            readout, ring, qkv, decay, beta, parents, held, inner, parent, request, start,
+            window, record_row_base, record_stride, num_key_heads, key_head, num_value_heads,
+            value_head, group_slot, column, lane, writes_column, True, leaf_warp,
+        )
+        round += 1
 
 
 @always_inline
@@ -804,12 +881,13 @@ def latency_unit[
     previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
 ):
     """One warp's unit: a request on one slab of SLAB value columns of one value head,
-    its state in the warp's registers from the first load to the last store (a tree's
-    unit may be LEAF_WARPS such warps, each holding the state).
+    its state in the warp's registers from the first load to the last store.
 
     With `TREE` (windows_gpu_latency_tree_kernel) the window is a token tree, node i a
     child of node `parents[request, i]`; `parents` and `previous_nodes` are read with
-    TREE alone. A tree unit may be LEAF_WARPS warps, which share its leaves."""
+    TREE alone. A tree unit may be LEAF_WARPS warps: the first steps what one warp steps
+    but the leaves, the others the leaves, from the states it publishes (publish_state,
+    leaf_warps_unit)."""
     comptime assert LEAF_WARPS == 1 or TREE, "only a tree's leaves are shared among warps"
     comptime SLAB = latency_slab_columns[CV]()
     comptime SLABS_PER_HEAD = V // SLAB
@@ -916,6 +994,22 @@ def latency_unit[
                         + group_column + slot] = nan[DType.float32]()
         return
 
+    # A tree unit of several warps: the leaf warps step the leaves from the states the
+    # first warp publishes, and are done (leaf_warps_unit).
+    var published = shared_floats[(2 * ROWS * WARP_THREADS * CV if LEAF_WARPS > 1 else 0) + COPY_FLOATS]()
+    var with_leaves = 0
+    var rounds = 0  # the states the first warp has published
+    comptime if LEAF_WARPS > 1:
+        with_leaves = parents_of_leaves(parents, request * RING_LEN, end - start)
+        if leaf_warp != 0:
+            leaf_warps_unit[ROWS, CV, K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+                published, with_leaves, readout, ring, qkv, decay, beta, parents, request,
+                start, end - start, (ring_row * num_key_heads + key_head) * RING_LEN,
+                record_stride, num_key_heads, key_head, num_value_heads, value_head,
+                group_slot, slab_start + group_column, lane, writes_column, tid, leaf_warp,
+            )
+            return
+
     # The warp's shared memory (SlabStaging), allocated here: allocated in SlabStaging's
     # constructor, the buffers compile to other PTX.
     var pairs = shared_floats[CHUNK * 2 * NATURAL]()
@@ -935,9 +1029,6 @@ def latency_unit[
     # other PTX.
     @always_inline
     def copy_tokens(first: Int, count: Int) {imm}:
-        comptime if LEAF_WARPS > 1:
-            if leaf_warp != 0:
-                return  # the unit's first warp stages the tokens for every warp
         staged.copy_tokens(
             qkv, decay, beta, first, count, num_key_heads, key_head, num_value_heads,
             value_head, slab_start, tid,
@@ -1001,9 +1092,7 @@ def latency_unit[
 
         if staging:
             async_copy_wait_all()
-            # With several warps a block barrier: past it every warp has also loaded the
-            # state, so the fold on load's store below overwrites no warp's load.
-            staging_barrier[LEAF_WARPS]()
+            syncwarp()
 
         # 2. Fold on load: the previous step's accepted records, as the fold applies them.
         comptime if FOLD_PREVIOUS:
@@ -1041,22 +1130,27 @@ def latency_unit[
         comptime if TREE:
             inner = tree_inner_nodes(parents, request * RING_LEN, end - start)
             # The leaves whose parent is the committed state.
-            step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
-                readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
-                end - start, record_row_base, record_stride, num_key_heads, key_head,
-                num_value_heads, value_head, group_slot, column, lane, writes_column, records,
-                leaf_warp,
-            )
+            comptime if LEAF_WARPS > 1:
+                if with_leaves & 1 != 0:
+                    publish_state(published, held, rounds, tid)
+                    rounds += 1
+            else:
+                step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+                    readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
+                    end - start, record_row_base, record_stride, num_key_heads, key_head,
+                    num_value_heads, value_head, group_slot, column, lane, writes_column,
+                    records, leaf_warp,
+                )
 
         # 3. The window, a chunk of tokens at a time.
         for chunk_start in range(start, end, CHUNK):
             var count = min(CHUNK, end - chunk_start)
             if chunk_start > start:
-                staging_barrier[LEAF_WARPS]()  # every lane is done with the previous chunk
+                syncwarp()  # every lane is done with the previous chunk
                 copy_tokens(chunk_start, count)
                 async_copy_commit_group()
                 async_copy_wait_all()
-                staging_barrier[LEAF_WARPS]()
+                syncwarp()
             if staging or chunk_start > start:
                 chunk_norms[K](pairs, count, lane, inverse_key_norms, query_scales)
             comptime if TREE:
@@ -1075,8 +1169,7 @@ def latency_unit[
                     if steps and parent != last_stepped:
                         # The committed state: the pool, which a verify never writes
                         # but for a fold on load's result, stored above by this very
-                        # thread (the same addresses: program order; a unit's other
-                        # warps store the same bits there).
+                        # thread (the same addresses: program order).
                         comptime for m in range(ROWS):
                             held[m] = state_rows.unsafe_load[width=CV, alignment=ROW_BYTES](
                                 m * REDUCTION_LANES * V
@@ -1106,12 +1199,17 @@ def latency_unit[
                                 ring[unsafe_offset=(record_row_base + node) * record_stride
                                     + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
                         last_stepped = node
-                        step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
-                            readout, ring, qkv, decay, beta, parents, held, inner, node,
-                            request, start, end - start, record_row_base, record_stride,
-                            num_key_heads, key_head, num_value_heads, value_head,
-                            group_slot, column, lane, writes_column, records, leaf_warp,
-                        )
+                        comptime if LEAF_WARPS > 1:
+                            if (with_leaves >> (node + 1)) & 1 != 0:
+                                publish_state(published, held, rounds, tid)
+                                rounds += 1
+                        else:
+                            step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+                                readout, ring, qkv, decay, beta, parents, held, inner, node,
+                                request, start, end - start, record_row_base, record_stride,
+                                num_key_heads, key_head, num_value_heads, value_head,
+                                group_slot, column, lane, writes_column, records, leaf_warp,
+                            )
             else:
                 # Unrolled, so that a token's readout shuffles overlap the next token's sums.
                 comptime for c in range(CHUNK):
@@ -1129,9 +1227,7 @@ def latency_unit[
                                 ring[unsafe_offset=(record_row_base + token - start) * record_stride
                                     + delta_offset[K, V](group_slot) + column + slot] = u
             comptime if RECORD:
-                # The keys and decays of a record come from the staged chunk, the same for
-                # every warp of a unit: its first warp writes them.
-                if records and slab == 0 and leaf_warp == 0:
+                if records and slab == 0:
                     write_chunk_records[K, V, CHANNEL](
                         ring, (record_row_base + chunk_start - start) * record_stride,
                         record_stride, count, pairs, scalars, token_decays, group_size,

@@ -98,11 +98,12 @@ comptime DEPENDENT_BLOCKS_PER_SM = 1
 comptime DEPENDENT_LATENCY_WARPS_PER_SM = 16
 
 # A tree verify asked for LEAF_WARPS > 1 (the op's parameter; 1 by default) runs each
-# unit as that many warps sharing its leaves (window_gpu_latency.mojo) where that many
-# warps of every unit are resident at once: the tree kernels take up to 255 registers a
-# thread, so an SM holds TREE_WARPS_PER_SM of their warps. Then a unit's chain of steps is
-# its inner nodes and a share of its leaves; in a larger launch every warp is already busy
-# and the shared leaves would only repeat the inner nodes' work, so it runs one warp a unit.
+# unit as that many warps (window_gpu_latency.mojo: one steps the inner nodes, the others
+# the leaves, from each parent's state in shared memory) where that many warps of every
+# unit are resident at once: the tree kernels take up to 255 registers a thread, so an SM
+# holds TREE_WARPS_PER_SM of their warps. Then a unit's chain of steps is its inner nodes;
+# in a larger launch the units would wait for SM room instead, and the warps of one unit
+# for each other at its barriers, so it runs one warp a unit.
 comptime TREE_WARPS_PER_SM = 8
 
 

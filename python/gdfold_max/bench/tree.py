@@ -9,7 +9,8 @@ layer:
 
 * ``tree``: our ``verify_tree`` with fold on load of the previous accepted path.
 * ``tree-shared-leaves``: the same with ``leaf_warps=4``: in a launch small enough, each
-  unit's leaves shared among four warps (the same bits; on the CPU the same code).
+  unit's first warp steps the inner nodes and three more its leaves, from each parent's
+  state in shared memory (the same bits; on the CPU the same code).
 * ``chain``: our ``verify_ring`` with fold on load over a chain of ``depth`` tokens (the
   same depth, ``nodes - depth`` fewer candidates), on the kernel ``auto`` picks (on a GPU
   the throughput kernel): what a tree costs over the chain a user runs today.

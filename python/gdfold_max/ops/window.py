@@ -469,8 +469,10 @@ def verify_tree(
         leaf_warps: GPU only, 1 (default) or :data:`TREE_LEAF_WARPS`: with 4, where the
             launch is small enough for every unit's four warps to be resident at once
             (up to 2 units an SM), a unit (a request's slab of one value head) is four
-            warps that each step every inner node and a quarter of the leaves, so a
-            unit's chain of steps is shorter; larger launches run one warp a unit. The
+            warps: the first steps the inner nodes and hands each parent's state over
+            in shared memory, the other three step its leaves from it, a third each, so
+            a unit's chain of steps is its inner nodes; larger launches run one warp a
+            unit. The
             same bits either way; which is faster is for ``bench-step --tree`` to say,
             and 1 stays the default until it has.
 

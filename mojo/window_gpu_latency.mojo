@@ -503,9 +503,10 @@ def tree_is_valid[
 @always_inline
 def warp_ring_visible():
     """Makes every global store a lane of the warp issued before it visible to every
-    lane's loads after it: a fence of the lane's stores at the CTA's scope (the warp is
-    the block), then the warp's barrier, which orders memory among the lanes that pass
-    it (PTX bar.warp.sync)."""
+    lane's loads after it: a fence of the lane's stores at the CTA's scope (the block: the
+    warp, or a tree unit's warps, of which only the first reads these stores back), then
+    the warp's barrier, which orders memory among the lanes that pass it (PTX
+    bar.warp.sync)."""
     inlined_assembly["fence.acq_rel.cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
     syncwarp()
 
@@ -793,6 +794,7 @@ def leaf_warps_unit[
     column: Int,
     lane: Int,
     writes_column: Bool,
+    records: Bool,
     tid: Int,
     leaf_warp: Int,
 ):
@@ -814,7 +816,7 @@ def leaf_warps_unit[
         step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
             readout, ring, qkv, decay, beta, parents, held, inner, parent, request, start,
             window, record_row_base, record_stride, num_key_heads, key_head, num_value_heads,
-            value_head, group_slot, column, lane, writes_column, True, leaf_warp,
+            value_head, group_slot, column, lane, writes_column, records, leaf_warp,
         )
         round += 1
 
@@ -987,7 +989,7 @@ def latency_unit[
         )
     if bad_id:
         # Never follow an id out of bounds; make the request's readout loudly invalid.
-        if writes_column:
+        if writes_column and leaf_warp == 0:  # a tree unit's first warp, for all
             for t in range(start, end):
                 for _ in range(1):  # a loop of one: see the slab's pass below
                     readout[unsafe_offset=t * readout_width + value_head * V + slab_start
@@ -1006,7 +1008,8 @@ def latency_unit[
                 published, with_leaves, readout, ring, qkv, decay, beta, parents, request,
                 start, end - start, (ring_row * num_key_heads + key_head) * RING_LEN,
                 record_stride, num_key_heads, key_head, num_value_heads, value_head,
-                group_slot, slab_start + group_column, lane, writes_column, tid, leaf_warp,
+                group_slot, slab_start + group_column, lane, writes_column,
+                RECORD and not commit, tid, leaf_warp,
             )
             return
 

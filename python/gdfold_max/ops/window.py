@@ -472,9 +472,8 @@ def verify_tree(
             warps: the first steps the inner nodes and hands each parent's state over
             in shared memory, the other three step its leaves from it, a third each, so
             a unit's chain of steps is its inner nodes; larger launches run one warp a
-            unit. The
-            same bits either way; which is faster is for ``bench-step --tree`` to say,
-            and 1 stays the default until it has.
+            unit. The same bits either way; which is faster is for ``bench-step --tree``
+            to say, and 1 stays the default until it has.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.

@@ -18,6 +18,7 @@ the eager tests add the eager fp32 head-gate fold-on-load tree graph.
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 from typing import Any
 
@@ -33,7 +34,7 @@ from gdfold_max.cases import WindowCase, random_accepted_nodes, random_parents, 
 from gdfold_max.eager.window import WindowRunner, runner_for, validate_window
 from gdfold_max.layout import Gate
 from gdfold_max.ops.checks import parent_table
-from gdfold_max.trees import chain_parents
+from gdfold_max.trees import chain_parents, draft_tree
 from range_matrix import Call, run_many
 
 RING_LEN = 6
@@ -450,6 +451,35 @@ def bad_tables(parents: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.n
     return parents, nodes
 
 
+#: EAGLE-shaped trees (trees.draft_tree: a spine with leaves hung on it, shallowest first),
+#: NODES x DEPTH, each at a ring of its node count: 16x5 hangs three or two leaves on each
+#: inner node, 32x6 five or six, so each of a unit's three leaf warps steps one or two
+#: leaves of a parent, by rank.
+DRAFT_TREES = [(16, 5), (32, 6)]
+DRAFT_VARIANTS = [("float32", "head"), ("bfloat16", "channel")]
+
+
+@cache
+def draft_case(nodes: int, depth: int, state_dtype: str, gate: Gate
+               ) -> tuple[WindowCase, np.ndarray, np.ndarray]:
+    """Three requests, each the tree ``draft_tree(nodes, depth)`` in a full window, with
+    fold on load of a random root path of the same tree (none for one request); every
+    previous record off its request's path is NaN. Returns the case, ``parents`` and the
+    previous nodes."""
+    windows = [nodes] * 3
+    seed = 70 + nodes + DRAFT_VARIANTS.index((state_dtype, gate))
+    shape = {**SHAPE, "ring_len": nodes}
+    case = random_window_case(seed, windows=windows, state_dtype=state_dtype, gate=gate, **shape)
+    parents = np.tile(draft_tree(nodes, depth), (len(windows), 1))
+    previous, counts = random_accepted_nodes(seed + 1, parents, windows)
+    counts[1] = 0
+    for b in range(len(windows)):
+        path = set(int(n) for n in previous[b, : counts[b]])
+        case.ring[case.previous_ring_row_ids[b], :, [n for n in range(nodes) if n not in path]] = np.nan
+    case.previous_num_accepted[:] = counts
+    return case, parents, previous
+
+
 def leaf_suffix(leaf_warps: int) -> str:
     """run_all_gpu's name suffix for ``leaf_warps``."""
     return "" if leaf_warps == 1 else f" leaf {leaf_warps}"
@@ -461,7 +491,7 @@ def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
     tree verify and the chain verify) on the GPU, the trees again with leaves shared
     among four warps (``leaf 4`` names) and in a launch too large for that, and the fp32
     head-gate case with the bad tables of :data:`BAD_PARENTS` and :data:`BAD_PATH`,
-    each way; one GPU graph."""
+    each way, and the EAGLE-shaped trees of :data:`DRAFT_TREES` each way; one GPU graph."""
     calls = variant_calls()
     for dtype, gate in VARIANTS:
         case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate)
@@ -476,6 +506,10 @@ def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
     for dtype, gate in CHAIN_VARIANTS:
         case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate, ONE_WARP_COPIES)
         calls[f"one warp a unit {dtype} {gate}"] = tree_call(case, parents, nodes, leaf_warps=4)
+    for (nodes, depth), (dtype, gate), leaf_warps in itertools.product(DRAFT_TREES, DRAFT_VARIANTS, LEAF_WARPS):
+        case, parents, previous = draft_case(nodes, depth, dtype, gate)
+        calls[f"draft {nodes}x{depth} {dtype} {gate}{leaf_suffix(leaf_warps)}"] = tree_call(
+            case, parents, previous, leaf_warps=leaf_warps)
     results = run_many("gpu", "verify_tree_gpu", list(calls.values()))
     got: dict[str, tuple[np.ndarray, ...]] = {}
     for name, (readout, written) in zip(calls, results, strict=True):
@@ -511,6 +545,19 @@ def test_gpu_fold_on_load_matches_the_reference(state_dtype: str, gate: Gate, le
     case, parents, nodes, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
     got = run_all_gpu()[f"fold on load {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
     assert_same(got, reference_tree(case, parents, nodes), "GPU fold on load vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
+@pytest.mark.parametrize(("state_dtype", "gate"), DRAFT_VARIANTS)
+@pytest.mark.parametrize(("nodes", "depth"), DRAFT_TREES)
+def test_gpu_draft_tree_matches_the_reference(nodes: int, depth: int, state_dtype: str, gate: Gate,
+                                              leaf_warps: int) -> None:
+    """EAGLE-shaped trees with fold on load, where a parent has more leaves than a unit
+    has leaf warps: every node's readout, the pool and every record."""
+    case, parents, previous = draft_case(nodes, depth, state_dtype, gate)
+    got = run_all_gpu()[f"draft {nodes}x{depth} {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
+    assert_same(got, reference_tree(case, parents, previous), "GPU draft tree vs reference")
 
 
 @pytest.mark.gpu

@@ -12,11 +12,12 @@ bad ids on the host): ids past the pool or the ring in GPU graphs of every op an
 memcheck only). ``tree``: the tree verify on the latency kernel (random forests of up to
 4 and 32 nodes, fp32 and bf16 pools, head and per-channel gates, with and without fold on
 load of a previous path, eagerly; then in GPU graphs, requests with bad parents or a bad
-previous path skipped; with one warp a unit and with leaves shared among four). Small
-enough to run under compute-sanitizer (sanitize.sh), which runs the groups side by side:
+previous path skipped; with one warp a unit and with leaves shared among four;
+``tree-shared``: the four-warp runs alone). Small enough to run under compute-sanitizer
+(sanitize.sh), which runs the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold path latency throughput claimed channel chunks skips shared-row tree
+    # fold path latency throughput claimed channel chunks skips shared-row tree tree-shared
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ GROUPS = {
     "skips": run_skips,
     "shared-row": run_shared_row,
     "tree": run_trees,
+    "tree-shared": lambda: run_tree_kernel(WindowRunner("gpu", leaf_warps=4)),
 }
 
 

@@ -13,8 +13,8 @@ memcheck only). ``tree``: the tree verify on the latency kernel (random forests 
 4 and 32 nodes, fp32 and bf16 pools, head and per-channel gates, with and without fold on
 load of a previous path, eagerly; then in GPU graphs, requests with bad parents or a bad
 previous path skipped; with one warp a unit and with leaves shared among four;
-``tree-shared``: the four-warp runs alone). Small enough to run under compute-sanitizer
-(sanitize.sh), which runs the groups side by side:
+``tree-shared``: the four-warp runs alone, for ``SANITIZE_GROUPS=tree-shared``). Small
+enough to run under compute-sanitizer (sanitize.sh), which runs the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
     # fold path latency throughput claimed channel chunks skips shared-row tree tree-shared
@@ -324,7 +324,8 @@ GROUPS = {
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(GROUPS)
+    # With no group named, every group once: `tree` already runs tree-shared's four-warp runs.
+    names = sys.argv[1:] or [name for name in GROUPS if name != "tree-shared"]
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         raise SystemExit(f"unknown groups {unknown}: choose from {list(GROUPS)}")

@@ -16,6 +16,11 @@ layer:
   the throughput kernel): what a tree costs over the chain a user runs today.
 * ``chain-latency``: the same chain on the latency kernel, which every tree verify runs on
   a GPU: what the tree's extra nodes cost on one kernel.
+* ``chain-nodes``: our ``verify_ring`` with the same fold on load over a chain of ``nodes``
+  tokens, on the kernel ``auto`` picks: as many token steps as the tree has nodes, on the
+  throughput kernel at these batches, which runs chains only. What a tree verify on that
+  kernel would cost if staging its tokens by node cost what staging a chain costs (a leaf
+  steps as a token does, without storing the state).
 * ``paths``: our ``verify_ring`` with fold on load over every root-to-leaf path of the
   tree as a request of its own, each with its own pool row: what a caller without a tree
   verify does. The copies of the state into those rows are not counted, so this is the
@@ -58,9 +63,12 @@ from .harness import (
 )
 from .step import FLOOR_COPY_BYTES, make_step_operands, step_host_inputs, step_input_types
 
-TREE_VARIANTS = ("tree", "tree-shared-leaves", "chain", "chain-latency", "paths")
+TREE_VARIANTS = ("tree", "tree-shared-leaves", "chain", "chain-latency", "chain-nodes", "paths")
 #: The variants that run a tree verify, whose rows carry the ratios to the others.
 TREE_VERIFIES = ("tree", "tree-shared-leaves")
+#: The rows that carry the separate paths' time over theirs: the tree verifies', and
+#: ``chain-nodes``', what a tree verify on the throughput kernel would give.
+PATHS_COMPARED = (*TREE_VERIFIES, "chain-nodes")
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,8 @@ class TreeRow:
     tree_over_chain: float
     #: On a tree verify's row: its time over the chain's on the latency kernel.
     tree_over_chain_latency: float
-    #: On a tree verify's row: the separate paths' time over the tree's.
+    #: On a tree verify's row: the separate paths' time over the tree's; on
+    #: ``chain-nodes``' row, over that chain's.
     paths_over_tree: float
 
 
@@ -139,6 +148,7 @@ class TreeStepGraphs(ChainedGraphs):
             "tree-shared-leaves": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "chain": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
             "chain-latency": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
+            "chain-nodes": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "paths": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
         }
 
@@ -271,7 +281,8 @@ def run_tree_bench(
                     tree_over_chain=ratio(seconds, measured.median("chain")) if on_tree else float("nan"),
                     tree_over_chain_latency=(ratio(seconds, measured.median("chain-latency")) if on_tree
                                              else float("nan")),
-                    paths_over_tree=ratio(measured.median("paths"), seconds) if on_tree else float("nan"),
+                    paths_over_tree=(ratio(measured.median("paths"), seconds) if variant in PATHS_COMPARED
+                                     else float("nan")),
                 ))
             del operands, timers
     return rows
@@ -290,6 +301,6 @@ def render_tree_rows(rows: Sequence[TreeRow], console: Console) -> None:
         ("over floor", lambda r: times(r.over_floor)),
         ("tree / chain", lambda r: times(r.tree_over_chain)),
         ("tree / chain on latency", lambda r: times(r.tree_over_chain_latency)),
-        ("paths / tree", lambda r: times(r.paths_over_tree)),
+        ("paths / this", lambda r: times(r.paths_over_tree)),
     ]
     render_rows("one decoding step over token trees (all layers, fold on load), medians", columns, rows, console)

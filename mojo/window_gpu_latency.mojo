@@ -54,7 +54,7 @@ At the barrier of the next node with leaves every leaf warp is done with the buf
 which the first warp writes only after it.
 """
 
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import syncwarp
@@ -749,6 +749,17 @@ def parents_of_leaves(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, wi
 
 
 @always_inline
+def unit_barrier():
+    """The tree unit's block barrier, where the first warp (publish_state) and the leaf
+    warps (leaf_warps_unit) meet, each at a barrier instruction of its own. That needs
+    PTX's non-aligned form, barrier.sync: the aligned one that barrier() emits (bar.sync)
+    requires every thread of the block at the same instruction, and compute-sanitizer's
+    synccheck reports the block divergent where they are not. Like bar.sync it orders the
+    shared memory writes before it for the loads after it, at the block's scope."""
+    inlined_assembly["barrier.sync 0;", NoneType, constraints="~{memory}", has_side_effect=True]()
+
+
+@always_inline
 def published_at[ROWS: Int, CV: Int](round: Int, tid: Int, m: Int) -> Int:
     """Where thread `tid` of a warp keeps state row m of its columns in the state buffer
     of round `round` (two buffers, alternated): 16-byte vectors side by side, so that a
@@ -766,7 +777,7 @@ def publish_state[
     at round - 1's barrier after stepping its leaves."""
     comptime for m in range(ROWS):
         published.unsafe_store[alignment=CV * 4](published_at[ROWS, CV](round, tid, m), held[m])
-    barrier()
+    unit_barrier()
 
 
 @always_inline
@@ -807,7 +818,7 @@ def leaf_warps_unit[
     for parent in range(-1, window):
         if (with_leaves >> (parent + 1)) & 1 == 0:
             continue
-        barrier()  # the first warp has published the parent's state
+        unit_barrier()  # the first warp has published the parent's state
         var held = Array[SIMD[DType.float32, CV], ROWS](uninitialized=True)
         comptime for m in range(ROWS):
             held[m] = published.unsafe_load[width=CV, alignment=CV * 4](

@@ -279,6 +279,54 @@ def test_the_fused_verify_at_max_s_dflash2_geometry(device: str, state_dtype: st
                            where)
 
 
+#: One request through the served op as the carry steps it (``max_qwen3_5_serve.ring``):
+#: (tokens, verify width, previous count, the half it records into). A prefill at width 0,
+#: verifies of blocks of 8 (width 7) that record into the half the previous one did not and
+#: fold what it kept, and a step without drafts, which folds and commits and after which
+#: nothing is carried.
+SERVED_STEPS = ((3, 0, 0, 1), (8, 7, 0, 1), (8, 7, 3, 0), (8, 7, 8, 1), (1, 0, 5, 1), (8, 7, 0, 0))
+
+
+@pytest.mark.parametrize(("device", "state_dtype"), [
+    ("cpu", "bfloat16"),
+    pytest.param("gpu", "float32", marks=pytest.mark.gpu),
+    pytest.param("gpu", "bfloat16", marks=pytest.mark.gpu),
+])
+def test_the_fused_verify_steps_a_request_alone_as_the_served_dflash2_step_does(device: str,
+                                                                              state_dtype: str) -> None:
+    """A batch of one, step after step through ``gdfold_verify_or_forward`` at MAX's
+    DFlash2 geometry (a ring of 8, K = V = 128), as a served prompt asked alone is stepped
+    (:data:`SERVED_STEPS`): one pool row and the two ring rows of one request's block of a
+    two-half ring, high in tables of 40 rows; the ring starts as NaN, as scratch never
+    written may be. Readout, pool and ring after every step equal the reference's, bit for
+    bit: a step that read a record never written, or wrote outside its row, fails here."""
+    cases = [random_window_case(60 + i, windows=[tokens], key_dim=128, value_dim=128, ring_len=8,
+                                state_dtype=state_dtype) for i, (tokens, *_) in enumerate(SERVED_STEPS)]
+    model, where = _fused_model(cases[0], device)
+    rng = np.random.default_rng(59)
+    pool = (0.1 * rng.standard_normal((40, *cases[0].state.shape[1:]))).astype(cases[0].state.dtype)
+    ring = np.full((40, *cases[0].ring.shape[1:]), np.nan, np.float32)
+    want_pool, want_ring = pool.copy(), ring.copy()
+    row, block = np.array([37], np.uint32), 19
+    for i, (case, (tokens, drafts, count, half)) in enumerate(zip(cases, SERVED_STEPS, strict=True)):
+        ring_rows = np.array([2 * block + half], np.uint32)
+        previous = np.array([2 * block + 1 - half], np.uint32)
+        counts = np.array([count], np.uint32)
+        offsets = np.array([0, tokens], np.uint32)
+        out = _run_width(model, case, drafts, pool, ring, (row, ring_rows, offsets, previous, counts), where)
+        if drafts:
+            want = reference.verify_ring(*case.tokens(), want_pool, want_ring, row, ring_rows, offsets,
+                                         previous_ring_row_ids=previous, previous_num_accepted=counts)
+        else:
+            reference.fold(want_pool, want_ring, row[None], previous[None], counts)
+            want = reference.recurrence(*case.tokens(), want_pool, row, offsets, num_key_heads=case.num_key_heads)
+        what = f"step {i} ({tokens} tokens, width {drafts}, count {count}), {state_dtype} pool on the {device}"
+        assert_bits_equal(out, want, f"{what}: readout")
+        assert_bits_equal(pool, want_pool, f"{what}: pool")
+        assert_bits_equal(ring, want_ring, f"{what}: ring")
+        assert np.isfinite(out).all(), f"{what}: a readout that is not finite"
+
+
 def test_with_a_symbolic_width_the_fused_layer_adds_no_branch() -> None:
     """The fused verify reads a symbolic width in its op (``gdfold_verify_or_forward``),
     where our verify in MAX's signature branches in the graph (an ``mo.if``)."""

@@ -901,11 +901,14 @@ async def exercise(server: dict, alone: bool = False) -> dict:
 #: default, MAX's own DFlash2 server answered the first prompt asked alone with one ordinary
 #: token and then token 0, and every later one with token 0 throughout; so did the
 #: fold-only and fused routes, while fold+verify answered other tokens and plain decoding
-#: with the same pools ordinary ones (an H100, 2026-12-07,
-#: bench/results/gpu-tests-max-serve-h100-2026-12-07.txt). With fp32 pools MAX says a
-#: speculated generation follows the state trajectory of an unspeculated one
-#: (``qwen3_5/model_config.py:155-166``); whether they avoid the token 0 has not run yet, and
-#: until it has, MAX's default bf16 pools have no served DFlash2 test.
+#: with the same pools ordinary ones (an H100, 2026-12-07, main 737b664,
+#: ``git show 14d3425:bench/results/gpu-tests-max-serve-h100-2026-12-07.txt``). With fp32
+#: pools, where MAX says a speculated generation follows the state trajectory of an
+#: unspeculated one (``qwen3_5/model_config.py:155-166``), MAX's own DFlash2, the fold-only
+#: route and fold+verify answer ordinary tokens; the fused route still answers each prompt
+#: asked alone with one ordinary token and then token 0 (an H100, 2026-12-07, main 14d3425,
+#: bench/results/gpu-tests-max-serve-h100-2026-12-07.txt). MAX's default bf16 pools have no
+#: served DFlash2 test.
 DFLASH2_POOLS = ("--state-pool-dtype", "float32")
 
 #: name -> (GDFOLD_MAX_QWEN3_5 or None for MAX's own, speculative method or None for plain
@@ -949,17 +952,17 @@ def test_servers_of_other_graphs_start_together() -> None:
 
 def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict[str, dict]:
     """The named servers of the tiny checkpoint side by side (each a tenth of the GPU), all
-    asked the same (:func:`exercise`). Returns each server's answers.
+    asked the same (:func:`exercise`), each prompt alone too. Returns each server's answers.
 
-    ``dflash2-`` names serve the checkpoint in bf16 with the example's tiny drafter (MAX
-    26.7 runs DFlash2's drafter in bf16), with fp32 state pools (``DFLASH2_POOLS``), and
-    are asked each prompt alone too. A bf16 target's greedy tokens may depend on how
-    requests are batched into calls, so with concurrent, racy arrivals no server need
-    repeat its own tokens: each must answer every prompt alone after the concurrent waves
-    (a cancelled stream, requests arriving and leaving mid-batch, ring blocks reused) as
-    it did before them, and no request may come back as token 0 throughout (what NaN
-    logits give greedy sampling). Otherwise (an fp32 checkpoint) each must answer its
-    second wave as its first."""
+    Every server must answer every prompt alone after the concurrent waves (a cancelled
+    stream, requests arriving and leaving mid-batch, ring blocks reused) as it did before
+    them, and no request may come back as token 0 to its end (what NaN logits give greedy
+    sampling). ``dflash2-`` names serve the checkpoint in bf16 with the example's tiny
+    drafter (MAX 26.7 runs DFlash2's drafter in bf16), with fp32 state pools
+    (``DFLASH2_POOLS``); a bf16 target's greedy tokens may depend on how requests are
+    batched into calls, so with concurrent, racy arrivals no such server need repeat its
+    own waves. Otherwise (an fp32 checkpoint) each must answer its second wave as its
+    first."""
     pytest.importorskip("httpx")
     dflash2 = names[0].startswith("dflash2-")
     assert all(n.startswith("dflash2-") == dflash2 for n in names), names
@@ -995,7 +998,7 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
             for name in later:
                 start(name)
             await asyncio.gather(*(ready(servers[n], deadline) for n in later))
-            results = await asyncio.gather(*(exercise(servers[n], alone=dflash2) for n in names))
+            results = await asyncio.gather(*(exercise(servers[n], alone=True) for n in names))
             return dict(zip(names, results, strict=True))
 
         started = time.monotonic()
@@ -1007,13 +1010,24 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
             raise
         print(f"served and answered in {time.monotonic() - started:.0f} s")
     print(json.dumps({name: r["first"] for name, r in results.items()}, indent=None))
-    if dflash2:
-        print(json.dumps({name: {"alone": r["alone"], "second": r["second"]} for name, r in results.items()},
-                         indent=None))
+    print(json.dumps({name: {"alone": r["alone"], "second": r["second"]} for name, r in results.items()},
+                     indent=None))
     # Every server's failures, not the first one's alone.
     failures = served_failures(results, dflash2)
     assert not failures, failures
     return results
+
+
+def zeros_from(ids: list[int]) -> int | None:
+    """Where an answer turns into token 0 to its end, two tokens or more of it (a whole
+    answer of one token 0 too): what NaN logits from some step on give greedy sampling
+    (two 0s by chance are about one answer in 260,000 of a 512-token vocabulary). None
+    where it does not."""
+    start = len(ids)
+    while start > 0 and ids[start - 1] == 0:
+        start -= 1
+    run = len(ids) - start
+    return start if run >= 2 or run == len(ids) == 1 else None
 
 
 def served_failures(results: dict[str, dict], dflash2: bool) -> list[str]:
@@ -1026,13 +1040,13 @@ def served_failures(results: dict[str, dict], dflash2: bool) -> list[str]:
         for wave in waves:
             if [len(ids) for ids in r[wave]] != LENGTHS:
                 failures.append(f"{name}: {wave}: lengths {[len(ids) for ids in r[wave]]}, not {LENGTHS}")
-        if dflash2:
-            if r["alone_after"] != r["alone"]:
-                failures.append(f"{name}: a prompt alone after the concurrent waves differs from before")
-            zeros = [(wave, i) for wave in waves for i, ids in enumerate(r[wave]) if ids and not any(ids)]
-            if zeros:
-                failures.append(f"{name}: token 0 throughout, (wave, prompt) {zeros}")
-        elif r["second"] != r["first"]:
+        if r["alone_after"] != r["alone"]:
+            failures.append(f"{name}: a prompt alone after the concurrent waves differs from before")
+        zeros = [(wave, i, first) for wave in waves for i, ids in enumerate(r[wave])
+                 if (first := zeros_from(ids)) is not None]
+        if zeros:
+            failures.append(f"{name}: token 0 to the end, (wave, prompt, from token) {zeros}")
+        if not dflash2 and r["second"] != r["first"]:
             failures.append(f"{name}: the second wave differs")
     return failures
 
@@ -1040,7 +1054,8 @@ def served_failures(results: dict[str, dict], dflash2: bool) -> list[str]:
 def test_the_served_rules_catch_what_the_served_runs_broke() -> None:
     """The rules of :func:`serve_and_ask` on answers as a served run gives them: the
     DFlash2 fused server whose second wave came back as token 0 (prompt 0, an H100,
-    2026-12-07), a server whose prompts alone changed after the concurrent waves, one
+    2026-12-07), one whose prompts asked alone turned into token 0 after their first token,
+    a server whose prompts alone changed after the concurrent waves, one
     cut short, one whose stream was not cancelled; and answers that keep every rule."""
     good = [[7 + i] * n for i, n in enumerate(LENGTHS)]
     ok = {"first": good, "second": good, "alone": None, "alone_after": None, "chunks": 2, "healthy": 200}
@@ -1050,12 +1065,19 @@ def test_the_served_rules_catch_what_the_served_runs_broke() -> None:
     first_wave = [[37, 56, 111, 230, 404, 325, 69, 420, 403, 288, 184, 122], *good[1:]]
     zeroed = [[0] * LENGTHS[0], *good[1:]]
     alone = ok | {"alone": good, "alone_after": good}
+    # The fused route with fp32 pools (an H100, 2026-12-07, 14d3425): each prompt asked
+    # alone, one ordinary token, then token 0; a lone 0 inside an answer is no failure.
+    turned = [[136] + [0] * (LENGTHS[0] - 1), [13] + [0] * (LENGTHS[1] - 1), *good[2:]]
+    one_zero = [[193, 0, 40, 422, 459, 319, 99, 159, 342, 230, 244, 266], *good[1:]]
     answers = {"dflash2-fused": alone | {"first": first_wave, "second": zeroed},
+               "dflash2-fused+": alone | {"first": one_zero, "alone": turned, "alone_after": turned},
                "dflash2-max": alone | {"second": other},  # a bf16 target's waves may differ
                "dflash2-fold": alone | {"alone_after": other},
                "dflash2-plain": alone | {"first": good[:-1], "chunks": 1}}
     assert served_failures(answers, dflash2=True) == [
-        "dflash2-fused: token 0 throughout, (wave, prompt) [('second', 0)]",
+        "dflash2-fused: token 0 to the end, (wave, prompt, from token) [('second', 0, 0)]",
+        "dflash2-fused+: token 0 to the end, (wave, prompt, from token) [('alone', 0, 1), ('alone', 1, 1),"
+        " ('alone_after', 0, 1), ('alone_after', 1, 1)]",
         "dflash2-fold: a prompt alone after the concurrent waves differs from before",
         "dflash2-plain: 1 chunks of the cancelled stream, /health 200",
         f"dflash2-plain: first: lengths {LENGTHS[:-1]}, not {LENGTHS}",
@@ -1067,8 +1089,10 @@ def test_max_serve_gives_the_fused_step_the_tokens_of_our_verify_then_fold(examp
     """The fused step's pools equal fold+verify's bit for bit, so their greedy tokens
     must be equal, with MAX's overlap scheduler and without it; and a user of the fused
     step must get plain decoding's tokens (MAX's own plain pipeline: its forward rounds
-    otherwise than our verify, so this holds where no greedy choice is that close)."""
+    otherwise than our verify, so this holds where no greedy choice is that close). Each
+    prompt asked alone too: a batch of one, the fused step's carry at its simplest."""
     results = serve_and_ask(("fused", "fused-no-overlap", "fold+verify", "plain"), example, tmp_path)
+    assert results["fused"]["alone"] == results["fold+verify"]["alone"]
     assert results["fused"]["first"] == results["fold+verify"]["first"]
     assert results["fused-no-overlap"]["first"] == results["fused"]["first"]
     assert results["fused"]["chat"] == results["fold+verify"]["chat"]
@@ -1081,6 +1105,7 @@ def test_max_serve_with_our_fold_gives_max_s_tokens(example: dict, tmp_path: Pat
     tokens, and both plain decoding's (as MAX's pipeline gives them on this checkpoint:
     examples/max_qwen3_5_pipeline.py)."""
     results = serve_and_ask(("fold", "max-mtp", "plain"), example, tmp_path)
+    assert results["fold"]["alone"] == results["max-mtp"]["alone"]
     assert results["fold"]["first"] == results["max-mtp"]["first"]
     assert results["fold"]["chat"] == results["max-mtp"]["chat"]
     assert results["max-mtp"]["first"] == results["plain"]["first"]

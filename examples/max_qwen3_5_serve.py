@@ -11,7 +11,8 @@ prompts side by side, prints the new token ids and stops the server. ``--mode ma
 MAX's own MTP pipeline instead (no ``--custom-architectures``). ``--dflash2`` serves
 DFlash2 instead of MTP: the checkpoint in bf16 and the example's tiny drafter, with
 ``--speculative-method dflash2 --draft-model-path DRAFT`` (7 drafts, the drafter's) and
-fp32 state pools.
+fp32 state pools; its ``fused`` mode is not validated and refuses to load unless
+``GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated`` is set (docs/integrations.md, "DFlash2").
 MAX builds Qwen3.5 pipelines on GPUs only: without one the script writes the checkpoint,
 prints the command and stops there.
 

@@ -279,12 +279,13 @@ def test_the_fused_verify_at_max_s_dflash2_geometry(device: str, state_dtype: st
                            where)
 
 
-#: One request through the served op as the carry steps it (``max_qwen3_5_serve.ring``):
-#: (tokens, verify width, previous count, the half it records into). A prefill at width 0,
-#: verifies of blocks of 8 (width 7) that record into the half the previous one did not and
-#: fold what it kept, and a step without drafts, which folds and commits and after which
-#: nothing is carried.
-SERVED_STEPS = ((3, 0, 0, 1), (8, 7, 0, 1), (8, 7, 3, 0), (8, 7, 8, 1), (1, 0, 5, 1), (8, 7, 0, 0))
+#: One request through the served op with the rows and counts the carry gives it
+#: (``max_qwen3_5_serve.ring.read_carry``): (tokens, verify width, previous count, the half
+#: it names current; the other is folded). A prefill at width 0 (tag 0: nothing carried),
+#: verifies of blocks of 8 (width 7), each recording into the half the one before did not
+#: and folding what that one kept, and a step without drafts, which folds, commits, records
+#: nothing and swaps no half, after which nothing is carried.
+SERVED_STEPS = ((3, 0, 0, 1), (8, 7, 0, 1), (8, 7, 3, 0), (8, 7, 8, 1), (1, 0, 5, 0), (8, 7, 0, 0))
 
 
 @pytest.mark.parametrize(("device", "state_dtype"), [

@@ -677,6 +677,27 @@ def test_the_dflash2_graph_folds_on_load_and_never_rolls_back_the_pool(dflash2_g
     assert_our_ops_only(text, layers)
 
 
+def test_the_fused_dflash2_model_refuses_to_load_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served, the fused DFlash2 step answered token 0 after the first token
+    (docs/integrations.md, "DFlash2"): its pipeline model refuses to load, naming the
+    variable that loads it all the same, before it builds or compiles anything."""
+    from gdfold_max.integrations.max_qwen3_5_serve import dflash2
+
+    model = object.__new__(dflash2.FusedDflash2Model)
+    for value in (None, "1"):
+        if value is None:
+            monkeypatch.delenv(dflash2.UNVALIDATED_ENV, raising=False)
+        else:
+            monkeypatch.setenv(dflash2.UNVALIDATED_ENV, value)
+        found = "unset" if value is None else f"'{value}'"
+        with pytest.raises(RuntimeError, match=rf"GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated .* is {found}\)"):
+            model.load_model(None)  # type: ignore[arg-type]
+    # Asked for, it goes on to MAX's loading (which needs a model built in full).
+    monkeypatch.setenv(dflash2.UNVALIDATED_ENV, "unvalidated")
+    with pytest.raises(AttributeError):
+        model.load_model(None)  # type: ignore[arg-type]
+
+
 def test_registering_the_module_overrides_max_s_dflash2_entry(dflash2_checkpoint: dict) -> None:
     """As the MTP test above: the bf16 checkpoint with ``--speculative-method dflash2`` and
     the drafter resolves to our pipeline model under MAX's DFlash2 name."""
@@ -792,6 +813,7 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, method: str
            extra: tuple[str, ...] = (), encoding: str = "float32", draft: Path | None = None) -> Iterator[dict]:
     """``max serve`` in a process group of its own, until the block ends (SIGTERM, then
     SIGKILL to that group only)."""
+    from gdfold_max.integrations.max_qwen3_5_serve import dflash2
     from gdfold_max.integrations.max_qwen3_5_serve.server import free_port, max_command, running
 
     port = free_port()
@@ -808,6 +830,9 @@ def served(name: str, folder: Path, logs: Path, *, mode: str | None, method: str
     if mode is not None:
         argv += ["--custom-architectures", MODULE]
         env["GDFOLD_MAX_QWEN3_5"] = mode
+    if (mode, method) == ("fused", "dflash2"):
+        # The fused DFlash2 step, which a server refuses unless asked: these tests study it.
+        env[dflash2.UNVALIDATED_ENV] = "unvalidated"
     log = logs / f"{name}.log"
     with running(argv, env, log) as proc:
         yield {"name": name, "url": f"http://127.0.0.1:{port}", "proc": proc, "log": log}
@@ -1012,8 +1037,10 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
     print(json.dumps({name: r["first"] for name, r in results.items()}, indent=None))
     print(json.dumps({name: {"alone": r["alone"], "second": r["second"]} for name, r in results.items()},
                      indent=None))
-    # Every server's failures, not the first one's alone.
+    # Every server's failures, not the first one's alone, printed whole (pytest shortens
+    # the assertion's message).
     failures = served_failures(results, dflash2)
+    print(json.dumps({"failures": failures}, indent=None))
     assert not failures, failures
     return results
 

@@ -14,7 +14,9 @@ process and again by the model worker it spawns, which inherits the environment)
 
 * ``fused`` (the default): every Gated DeltaNet layer of the target runs our verify
   with fold on load (:class:`~gdfold_max.integrations.max_qwen3_5.FusedGatedDeltaNet`),
-  and the step launches no rollback fold; see :mod:`.fused` and :mod:`.ring`.
+  and the step launches no rollback fold; see :mod:`.fused` and :mod:`.ring`. With
+  DFlash2 it is not validated, and loads only with ``GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated``
+  (:mod:`.dflash2`).
 * ``fold``: MAX's pipeline built under
   :func:`gdfold_max.integrations.max_qwen3_5.patched`: its rollback folds with
   :func:`gdfold_max.state_fold`.

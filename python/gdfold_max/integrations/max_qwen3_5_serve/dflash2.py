@@ -26,8 +26,10 @@ is covered here, MAX's code run as it stands (paths under
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
+from max.engine import InferenceSession, Model
 from max.pipelines.architectures.unified_dflash2_qwen3_5 import model as dflash2_model
 from max.pipelines.architectures.unified_dflash2_qwen3_5 import model_config as dflash2_config
 from max.pipelines.architectures.unified_dflash2_qwen3_5.memory_planner import UnifiedDflash2Qwen3_5MemoryPlanner
@@ -36,6 +38,9 @@ from max.pipelines.architectures.unified_dflash2_qwen3_5.model_config import Uni
 from max.pipelines.architectures.unified_dflash2_qwen3_5.unified_dflash2_qwen3_5 import UnifiedDflash2Qwen3_5
 
 from .fused import CarryInputs, FusedBuild, FusedMTPBatchProcessor, FusedMTPConfig, fuse_driver, rebound
+
+#: Set to ``unvalidated`` to load the fused DFlash2 step all the same (to study it).
+UNVALIDATED_ENV = "GDFOLD_MAX_QWEN3_5_DFLASH2"
 
 
 class FusedDflash2Config(UnifiedDflash2Qwen3_5Config):
@@ -84,6 +89,20 @@ class FusedDflash2Model(FusedBuild, UnifiedDflash2Qwen3_5Model):
     model_config_cls: ClassVar[type[Any]] = FusedDflash2Config
     driver_site = (dflash2_model, "UnifiedDflash2Qwen3_5", FusedDflash2Driver)
 
+    def load_model(self, session: InferenceSession) -> Model:
+        """Refuses, unless asked for by ``GDFOLD_MAX_QWEN3_5_DFLASH2=unvalidated``: served
+        on an H100, the fused DFlash2 step answered each prompt asked alone with one
+        ordinary token and then token 0 (docs/integrations.md, "DFlash2")."""
+        value = os.environ.get(UNVALIDATED_ENV)
+        if value != "unvalidated":
+            found = "unset" if value is None else f"{value!r}"
+            raise RuntimeError(
+                "GDFOLD_MAX_QWEN3_5=fused (the default) with --speculative-method dflash2: the fused DFlash2"
+                " step is not validated (served on an H100 it answered token 0 after the first token); serve"
+                f" DFlash2 with MAX's own pipeline, or set {UNVALIDATED_ENV}=unvalidated to load it all the same"
+                f" ({UNVALIDATED_ENV} is {found})")
+        return super().load_model(session)
+
     @classmethod
     def get_kv_params(cls, *args: Any, **kwargs: Any) -> Any:
         with rebound(dflash2_model, "UnifiedMTPQwen3_5Config", FusedMTPConfig):
@@ -94,4 +113,5 @@ class FusedDflash2Model(FusedBuild, UnifiedDflash2Qwen3_5Model):
             return super()._create_model_config(state_dict)
 
 
-__all__ = ["FusedDflash2Config", "FusedDflash2Driver", "FusedDflash2MemoryPlanner", "FusedDflash2Model"]
+__all__ = ["UNVALIDATED_ENV", "FusedDflash2Config", "FusedDflash2Driver", "FusedDflash2MemoryPlanner",
+           "FusedDflash2Model"]

@@ -201,22 +201,26 @@ def _assert_width_rule(model: Model, kind: str, case: Any, drafts: int, what: st
     pool, ring = case.fresh()
     out = _run_width(model, case, drafts, pool, ring, tables, device)
     want_pool, want_ring = case.fresh()
-    previous = {}
-    if kind == "fused":
-        previous = {"previous_ring_row_ids": case.previous_ring_row_ids,
-                    "previous_num_accepted": case.previous_num_accepted}
-    if drafts:
-        want = reference.verify_ring(*case.tokens(), want_pool, want_ring, case.row_ids, case.ring_row_ids,
-                                     case.input_row_offsets, **previous)
-    else:
-        if previous:
-            reference.fold(want_pool, want_ring, case.row_ids[None], case.previous_ring_row_ids[None],
-                           case.previous_num_accepted)
-        want = reference.recurrence(*case.tokens(), want_pool, case.row_ids, case.input_row_offsets,
-                                    num_key_heads=case.num_key_heads)
+    previous = (case.previous_ring_row_ids, case.previous_num_accepted) if kind == "fused" else None
+    want = _width_reference(case, drafts, want_pool, want_ring, case.row_ids, case.ring_row_ids,
+                            case.input_row_offsets, previous)
     assert_bits_equal(out, want, f"{what}: readout")
     assert_bits_equal(pool, want_pool, f"{what}: pool")
     assert_bits_equal(ring, want_ring, f"{what}: ring")
+
+
+def _width_reference(case: Any, drafts: int, pool: np.ndarray, ring: np.ndarray, row_ids: np.ndarray,
+                     ring_row_ids: np.ndarray, offsets: np.ndarray,
+                     previous: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+    """The reference's step of MAX's width rule on the case's tokens, ``pool`` and ``ring``
+    written in place: at a width of 0 the forward, else the verify; with ``previous``
+    (ring rows, counts) the previous records fold first (as the fold, or on load)."""
+    if drafts:
+        extra = {} if previous is None else {"previous_ring_row_ids": previous[0], "previous_num_accepted": previous[1]}
+        return reference.verify_ring(*case.tokens(), pool, ring, row_ids, ring_row_ids, offsets, **extra)
+    if previous is not None:
+        reference.fold(pool, ring, row_ids[None], previous[0][None], previous[1])
+    return reference.recurrence(*case.tokens(), pool, row_ids, offsets, num_key_heads=case.num_key_heads)
 
 
 def _run_width(model: Model, case: Any, drafts: int, pool: np.ndarray, ring: np.ndarray, tables: tuple[Any, ...],
@@ -315,12 +319,7 @@ def test_the_fused_verify_steps_a_request_alone_as_the_served_dflash2_step_does(
         counts = np.array([count], np.uint32)
         offsets = np.array([0, tokens], np.uint32)
         out = _run_width(model, case, drafts, pool, ring, (row, ring_rows, offsets, previous, counts), where)
-        if drafts:
-            want = reference.verify_ring(*case.tokens(), want_pool, want_ring, row, ring_rows, offsets,
-                                         previous_ring_row_ids=previous, previous_num_accepted=counts)
-        else:
-            reference.fold(want_pool, want_ring, row[None], previous[None], counts)
-            want = reference.recurrence(*case.tokens(), want_pool, row, offsets, num_key_heads=case.num_key_heads)
+        want = _width_reference(case, drafts, want_pool, want_ring, row, ring_rows, offsets, (previous, counts))
         what = f"step {i} ({tokens} tokens, width {drafts}, count {count}), {state_dtype} pool on the {device}"
         assert_bits_equal(out, want, f"{what}: readout")
         assert_bits_equal(pool, want_pool, f"{what}: pool")

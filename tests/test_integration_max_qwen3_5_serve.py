@@ -892,11 +892,11 @@ async def cancel_a_stream(client: Any, url: str) -> int:
     return chunks
 
 
-async def exercise(server: dict, alone: bool = False) -> dict:
+async def exercise(server: dict) -> dict:
     """A wave of concurrent completions of several lengths, a chat completion and a
-    cancelled stream side by side, then the same wave again. With ``alone``, each prompt
-    is also asked alone, one after another, before and after all that (``alone`` and
-    ``alone_after``): a batch of one request, the same at every server."""
+    cancelled stream side by side, then the same wave again. Each prompt is also asked
+    alone, one after another, before and after all that (``alone`` and ``alone_after``):
+    a batch of one request, the same at every server."""
     import httpx
 
     url = server["url"]
@@ -904,7 +904,7 @@ async def exercise(server: dict, alone: bool = False) -> dict:
         async def one_at_a_time() -> list[list[int]]:
             return [await completion_ids(client, url, p, n) for p, n in zip(PROMPTS, LENGTHS, strict=True)]
 
-        before = await one_at_a_time() if alone else None
+        before = await one_at_a_time()
         chat = client.post(url + "/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 8,
             "temperature": 0})
@@ -913,7 +913,7 @@ async def exercise(server: dict, alone: bool = False) -> dict:
 
         first, chat_reply, chunks = await asyncio.gather(wave(), chat, cancel_a_stream(client, url))
         second = await wave()
-        after = await one_at_a_time() if alone else None
+        after = await one_at_a_time()
         healthy = (await client.get(url + "/health")).status_code
     assert chat_reply.status_code == 200, chat_reply.text
     message = chat_reply.json()["choices"][0]["message"]
@@ -1023,7 +1023,7 @@ def serve_and_ask(names: tuple[str, ...], example: dict, tmp_path: Path) -> dict
             for name in later:
                 start(name)
             await asyncio.gather(*(ready(servers[n], deadline) for n in later))
-            results = await asyncio.gather(*(exercise(servers[n], alone=True) for n in names))
+            results = await asyncio.gather(*(exercise(servers[n]) for n in names))
             return dict(zip(names, results, strict=True))
 
         started = time.monotonic()

@@ -39,6 +39,19 @@ parent step in the window's order as chain tokens, each followed by its leaf chi
 whose parent is not the last of them stepped reloads the committed state from the pool
 and folds its parent's root path in, root first (fold_root_path). The throughput kernel
 runs chains only.
+
+A tree unit may be LEAF_WARPS warps (a launch with few units: window_launch.mojo). Its
+first warp does all that one warp does but step leaves: it stages, folds on load and steps
+the inner nodes, and where one warp would step a node's leaves (step_leaves) it writes the
+node's state, as it holds it, to one of two state buffers in shared memory and meets the
+other warps at a block barrier (publish_state). The other LEAF_WARPS - 1 warps, the leaf
+warps, meet it there once for each node with leaf children (-1, the committed state, first,
+then the inner nodes in the window's order: leaf_warps_unit), read the state into the same
+registers the first warp held it in, and step their share of its leaves, every (LEAF_WARPS -
+1)-th by rank among them, with leaf_token's arithmetic: the same floats, the same bits. So a
+unit's chain of steps is its inner nodes, with its leaves stepped beside the next inner node.
+At the barrier of the next node with leaves every leaf warp is done with the buffer before,
+which the first warp writes only after it.
 """
 
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, block_idx, thread_idx
@@ -490,9 +503,10 @@ def tree_is_valid[
 @always_inline
 def warp_ring_visible():
     """Makes every global store a lane of the warp issued before it visible to every
-    lane's loads after it: a fence of the lane's stores at the CTA's scope (the warp is
-    the block), then the warp's barrier, which orders memory among the lanes that pass
-    it (PTX bar.warp.sync)."""
+    lane's loads after it: a fence of the lane's stores at the CTA's scope (the block: the
+    warp, or a tree unit's warps, of which only the first reads these stores back), then
+    the warp's barrier, which orders memory among the lanes that pass it (PTX
+    bar.warp.sync)."""
     inlined_assembly["fence.acq_rel.cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
     syncwarp()
 
@@ -666,7 +680,7 @@ def tree_inner_nodes(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, win
 
 @always_inline
 def step_leaves[
-    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool
+    ROWS: Int, CV: Int, //, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool, LEAF_WARPS: Int
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     ring: Pointer[Float32, MutAnyOrigin],
@@ -691,16 +705,25 @@ def step_leaves[
     lane: Int,
     writes_column: Bool,
     records: Bool,
+    leaf_warp: Int,
 ):
     """Steps the leaves (nodes outside `inner`) whose parent is `parent` (-1: the
     committed state) on the held state, `parent`'s, which they leave as it was
-    (leaf_token): each one's readout, and its delta columns into its record."""
+    (leaf_token): each one's readout, and its delta columns into its record. Of a unit
+    of LEAF_WARPS warps, leaf warp `leaf_warp` (1 to LEAF_WARPS - 1) steps the leaves of
+    `parent` whose rank among them is leaf_warp - 1 modulo LEAF_WARPS - 1."""
     var slot = slab_slot[CV](lane)
+    var rank = 0
     for node in range(parent + 1, window):
         if (inner >> node) & 1 != 0:
             continue
         if Int(parents[unsafe_offset=request * RING_LEN + node]) != parent:
             continue
+        comptime if LEAF_WARPS > 1:
+            var mine = rank % (LEAF_WARPS - 1) == leaf_warp - 1
+            rank += 1
+            if not mine:
+                continue
         var leaf = leaf_token[K, V, CHANNEL](
             held, qkv, decay, beta, start + node, num_key_heads, key_head, num_value_heads,
             value_head, column, lane,
@@ -711,6 +734,102 @@ def step_leaves[
             if records:
                 ring[unsafe_offset=(record_row_base + node) * record_stride
                     + delta_offset[K, V](group_slot) + column + slot] = leaf[1]
+
+
+@always_inline
+def parents_of_leaves(parents: Pointer[Int32, ImmutAnyOrigin], nodes_at: Int, window: Int) -> Int:
+    """The bit set of the parents that have leaf children: bit p + 1 for parent p (bit 0
+    for -1, the committed state; checked parents). Every lane reads the same."""
+    var inner = tree_inner_nodes(parents, nodes_at, window)
+    var marks = 0
+    for node in range(window):
+        if (inner >> node) & 1 == 0:
+            marks |= 1 << (Int(parents[unsafe_offset=nodes_at + node]) + 1)
+    return marks
+
+
+@always_inline
+def unit_barrier():
+    """The tree unit's block barrier, where the first warp (publish_state) and the leaf
+    warps (leaf_warps_unit) meet, each at a barrier instruction of its own. That needs
+    PTX's non-aligned form, barrier.sync: the aligned one that barrier() emits (bar.sync)
+    requires every thread of the block at the same instruction, and compute-sanitizer's
+    synccheck reports the block divergent where they are not. Like bar.sync it orders the
+    shared memory writes before it for the loads after it, at the block's scope."""
+    inlined_assembly["barrier.sync 0;", NoneType, constraints="~{memory}", has_side_effect=True]()
+
+
+@always_inline
+def published_at[ROWS: Int, CV: Int](round: Int, tid: Int, m: Int) -> Int:
+    """Where thread `tid` of a warp keeps state row m of its columns in the state buffer
+    of round `round` (two buffers, alternated): 16-byte vectors side by side, so that a
+    warp's stores and loads of one row meet no bank twice."""
+    return (round % 2) * (ROWS * WARP_THREADS * CV) + (m * WARP_THREADS + tid) * CV
+
+
+@always_inline
+def publish_state[
+    ROWS: Int, CV: Int, //
+](published: SharedFloats, held: Array[SIMD[DType.float32, CV], ROWS], round: Int, tid: Int):
+    """The first warp of a tree unit: writes the state it holds, a parent's, to the state
+    buffer of round `round`, then meets the leaf warps, which read it past the barrier.
+    Every leaf warp is done with that buffer's last state, round - 2's: it met this warp
+    at round - 1's barrier after stepping its leaves."""
+    comptime for m in range(ROWS):
+        published.unsafe_store[alignment=CV * 4](published_at[ROWS, CV](round, tid, m), held[m])
+    unit_barrier()
+
+
+@always_inline
+def leaf_warps_unit[
+    ROWS: Int, CV: Int, K: Int, V: Int, RING_LEN: Int, CHANNEL: Bool, LEAF_WARPS: Int
+](
+    published: SharedFloats,
+    with_leaves: Int,
+    readout: Pointer[Float32, MutAnyOrigin],
+    ring: Pointer[Float32, MutAnyOrigin],
+    qkv: Pointer[Float32, ImmutAnyOrigin],
+    decay: Pointer[Float32, ImmutAnyOrigin],
+    beta: Pointer[Float32, ImmutAnyOrigin],
+    parents: Pointer[Int32, ImmutAnyOrigin],
+    request: Int,
+    start: Int,
+    window: Int,
+    record_row_base: Int,
+    record_stride: Int,
+    num_key_heads: Int,
+    key_head: Int,
+    num_value_heads: Int,
+    value_head: Int,
+    group_slot: Int,
+    column: Int,
+    lane: Int,
+    writes_column: Bool,
+    records: Bool,
+    tid: Int,
+    leaf_warp: Int,
+):
+    """A leaf warp's part of a tree unit: for each parent with leaf children, in the order
+    the first warp publishes them (-1, then the inner nodes in the window's order), the
+    parent's state read from the round's buffer into the registers the first warp held it
+    in, and this warp's share of its leaves stepped on it (step_leaves)."""
+    var inner = tree_inner_nodes(parents, request * RING_LEN, window)
+    var round = 0
+    for parent in range(-1, window):
+        if (with_leaves >> (parent + 1)) & 1 == 0:
+            continue
+        unit_barrier()  # the first warp has published the parent's state
+        var held = Array[SIMD[DType.float32, CV], ROWS](uninitialized=True)
+        comptime for m in range(ROWS):
+            held[m] = published.unsafe_load[width=CV, alignment=CV * 4](
+                published_at[ROWS, CV](round, tid, m)
+            )
+        step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+            readout, ring, qkv, decay, beta, parents, held, inner, parent, request, start,
+            window, record_row_base, record_stride, num_key_heads, key_head, num_value_heads,
+            value_head, group_slot, column, lane, writes_column, records, leaf_warp,
+        )
+        round += 1
 
 
 @always_inline
@@ -750,6 +869,7 @@ def latency_unit[
     CV: Int,
     CHANNEL: Bool,
     TREE: Bool,
+    LEAF_WARPS: Int = 1,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -778,7 +898,10 @@ def latency_unit[
 
     With `TREE` (windows_gpu_latency_tree_kernel) the window is a token tree, node i a
     child of node `parents[request, i]`; `parents` and `previous_nodes` are read with
-    TREE alone."""
+    TREE alone. A tree unit may be LEAF_WARPS warps: the first steps what one warp steps
+    but the leaves, the others the leaves, from the states it publishes (publish_state,
+    leaf_warps_unit)."""
+    comptime assert LEAF_WARPS == 1 or TREE, "only a tree's leaves are shared among warps"
     comptime SLAB = latency_slab_columns[CV]()
     comptime SLABS_PER_HEAD = V // SLAB
     comptime ROWS = K // REDUCTION_LANES
@@ -805,6 +928,11 @@ def latency_unit[
     var key_head = value_head // group_size
     var group_slot = value_head - key_head * group_size
     var tid = Int(thread_idx.x)
+    # The thread's warp in the unit, and from here on its index in that warp.
+    var leaf_warp = 0
+    comptime if LEAF_WARPS > 1:
+        leaf_warp = tid // WARP_THREADS
+        tid = tid % WARP_THREADS
     var lane = tid % REDUCTION_LANES
     var group_column = (tid // REDUCTION_LANES) * CV  # this thread's first column in a slab
     var slot = slab_slot[CV](lane)
@@ -872,12 +1000,29 @@ def latency_unit[
         )
     if bad_id:
         # Never follow an id out of bounds; make the request's readout loudly invalid.
-        if writes_column:
+        if writes_column and leaf_warp == 0:  # a tree unit's first warp, for all
             for t in range(start, end):
                 for _ in range(1):  # a loop of one: see the slab's pass below
                     readout[unsafe_offset=t * readout_width + value_head * V + slab_start
                         + group_column + slot] = nan[DType.float32]()
         return
+
+    # A tree unit of several warps: the leaf warps step the leaves from the states the
+    # first warp publishes, and are done (leaf_warps_unit).
+    var published = shared_floats[(2 * ROWS * WARP_THREADS * CV if LEAF_WARPS > 1 else 0) + COPY_FLOATS]()
+    var with_leaves = 0
+    var rounds = 0  # the states the first warp has published
+    comptime if LEAF_WARPS > 1:
+        with_leaves = parents_of_leaves(parents, request * RING_LEN, end - start)
+        if leaf_warp != 0:
+            leaf_warps_unit[ROWS, CV, K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+                published, with_leaves, readout, ring, qkv, decay, beta, parents, request,
+                start, end - start, (ring_row * num_key_heads + key_head) * RING_LEN,
+                record_stride, num_key_heads, key_head, num_value_heads, value_head,
+                group_slot, slab_start + group_column, lane, writes_column,
+                RECORD and not commit, tid, leaf_warp,
+            )
+            return
 
     # The warp's shared memory (SlabStaging), allocated here: allocated in SlabStaging's
     # constructor, the buffers compile to other PTX.
@@ -999,11 +1144,17 @@ def latency_unit[
         comptime if TREE:
             inner = tree_inner_nodes(parents, request * RING_LEN, end - start)
             # The leaves whose parent is the committed state.
-            step_leaves[K, V, RING_LEN, CHANNEL](
-                readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
-                end - start, record_row_base, record_stride, num_key_heads, key_head,
-                num_value_heads, value_head, group_slot, column, lane, writes_column, records,
-            )
+            comptime if LEAF_WARPS > 1:
+                if with_leaves & 1 != 0:
+                    publish_state(published, held, rounds, tid)
+                    rounds += 1
+            else:
+                step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+                    readout, ring, qkv, decay, beta, parents, held, inner, -1, request, start,
+                    end - start, record_row_base, record_stride, num_key_heads, key_head,
+                    num_value_heads, value_head, group_slot, column, lane, writes_column,
+                    records, leaf_warp,
+                )
 
         # 3. The window, a chunk of tokens at a time.
         for chunk_start in range(start, end, CHUNK):
@@ -1062,12 +1213,17 @@ def latency_unit[
                                 ring[unsafe_offset=(record_row_base + node) * record_stride
                                     + delta_offset[K, V](group_slot) + column + slot] = tree_step[1]
                         last_stepped = node
-                        step_leaves[K, V, RING_LEN, CHANNEL](
-                            readout, ring, qkv, decay, beta, parents, held, inner, node,
-                            request, start, end - start, record_row_base, record_stride,
-                            num_key_heads, key_head, num_value_heads, value_head,
-                            group_slot, column, lane, writes_column, records,
-                        )
+                        comptime if LEAF_WARPS > 1:
+                            if (with_leaves >> (node + 1)) & 1 != 0:
+                                publish_state(published, held, rounds, tid)
+                                rounds += 1
+                        else:
+                            step_leaves[K, V, RING_LEN, CHANNEL, LEAF_WARPS](
+                                readout, ring, qkv, decay, beta, parents, held, inner, node,
+                                request, start, end - start, record_row_base, record_stride,
+                                num_key_heads, key_head, num_value_heads, value_head,
+                                group_slot, column, lane, writes_column, records, leaf_warp,
+                            )
             else:
                 # Unrolled, so that a token's readout shuffles overlap the next token's sums.
                 comptime for c in range(CHUNK):
@@ -1159,7 +1315,7 @@ def windows_gpu_latency_kernel[
 
 
 @__llvm_metadata(
-    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS)),
+    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(WARP_THREADS * LEAF_WARPS)),
 )
 def windows_gpu_latency_tree_kernel[
     state_dtype: DType,
@@ -1169,6 +1325,7 @@ def windows_gpu_latency_tree_kernel[
     FOLD_PREVIOUS: Bool,
     CV: Int,
     CHANNEL: Bool = False,
+    LEAF_WARPS: Int = 1,
 ](
     readout: Pointer[Float32, MutAnyOrigin],
     state: Pointer[Scalar[state_dtype], MutAnyOrigin],
@@ -1193,8 +1350,9 @@ def windows_gpu_latency_tree_kernel[
     previous_nodes: Pointer[UInt32, ImmutAnyOrigin],
 ):
     """The tree verify's unit (latency_unit with TREE): a request's token tree on one
-    slab of one value head. It records, as a chain verify does, and never commits."""
-    latency_unit[state_dtype, K, V, RING_LEN, True, FOLD_PREVIOUS, CV, CHANNEL, True](
+    slab of one value head, a block of LEAF_WARPS warps that share its leaves. It
+    records, as a chain verify does, and never commits."""
+    latency_unit[state_dtype, K, V, RING_LEN, True, FOLD_PREVIOUS, CV, CHANNEL, True, LEAF_WARPS](
         readout,
         state,
         ring,

@@ -97,6 +97,21 @@ def uses_latency_kernel[GPU_PATH: Int](latency_units: Int, sms: Int, one_token_w
 comptime DEPENDENT_BLOCKS_PER_SM = 1
 comptime DEPENDENT_LATENCY_WARPS_PER_SM = 16
 
+# A tree verify asked for LEAF_WARPS > 1 (the op's parameter; 1 by default) runs each
+# unit as that many warps (window_gpu_latency.mojo: one steps the inner nodes, the others
+# the leaves, from each parent's state in shared memory) where that many warps of every
+# unit are resident at once: the tree kernels take up to 255 registers a thread, so an SM
+# holds TREE_WARPS_PER_SM of their warps. Then a unit's chain of steps is its inner nodes;
+# in a larger launch the units would wait for SM room instead, and the warps of one unit
+# for each other at its barriers, so it runs one warp a unit.
+comptime TREE_WARPS_PER_SM = 8
+
+
+def tree_leaves_shared(latency_units: Int, sms: Int, leaf_warps: Int) -> Bool:
+    """Whether a tree verify's units of `leaf_warps` warps are all resident at once in a
+    launch of `latency_units` units."""
+    return latency_units * leaf_warps <= sms * TREE_WARPS_PER_SM
+
 
 def dependent_launch(dependent: Bool) -> List[LaunchAttribute]:
     """The launch attributes of a window kernel: with `dependent`, a programmatic
@@ -328,6 +343,7 @@ def run_windows[
     FOLD_PREVIOUS: Bool,
     CHANNEL: Bool = False,
     TREE: Bool = False,
+    LEAF_WARPS: Int = 1,
 ](operands: WindowOperands[state_dtype], ctx: DeviceContext) raises:
     """Checks every operand, then runs each request's window (see window_cpu/gpu).
 
@@ -338,8 +354,11 @@ def run_windows[
     not fit an SM the op passes GPU_PATH_LATENCY instead (ops/window.py gpu_tiling). `TREE` (a tree verify:
     RECORD, with the parents table, and with FOLD_PREVIOUS the previous accepted paths)
     runs on the CPU and, on a GPU, on the latency kernel alone (whatever GPU_PATH says),
-    which checks the parents and previous paths itself (they are device memory there)."""
+    which checks the parents and previous paths itself (they are device memory there).
+    There `LEAF_WARPS` (1 or 4) > 1 shares each unit's leaves among that many warps where
+    the launch is small enough (tree_leaves_shared); the CPU ignores it."""
     comptime assert not TREE or RECORD, "a tree verify records"
+    comptime assert LEAF_WARPS == 1 or (TREE and LEAF_WARPS == 4), "LEAF_WARPS: 1, or 4 for a tree"
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
     # time, and its blocks (two threads per column) are whole warps or one warp at most.
@@ -398,20 +417,28 @@ def run_windows[
             # throughput kernel is chain-only). Its parents and previous paths are device
             # memory: the kernel checks them before any load and skips a request whose
             # tables are bad.
-            comptime tree_kernel = windows_gpu_latency_tree_kernel[
-                state_dtype, K, V, RING_LEN, FOLD_PREVIOUS, LATENCY_CV, CHANNEL
-            ]
-            ctx.enqueue_function[tree_kernel](
-                operands.readout, operands.state, operands.ring, operands.qkv, operands.decay,
-                operands.beta, operands.row_ids, operands.ring_row_ids, operands.offsets,
-                operands.previous_ring_row_ids, operands.previous_accepted, Int32(batch),
-                Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows), Int32(num_value_heads),
-                Int32(num_key_heads), Int32(record_stride), Int32(1 if dependent else 0),
-                operands.parents, operands.previous_nodes,
-                grid_dim=latency_units,
-                block_dim=WARP_THREADS,
-                attributes=dependent_launch(dependent),
-            )
+            # One warp a unit, or LEAF_WARPS that share its leaves (tree_leaves_shared).
+            def launch_tree[leaf_warps: Int]() raises {imm}:
+                comptime tree_kernel = windows_gpu_latency_tree_kernel[
+                    state_dtype, K, V, RING_LEN, FOLD_PREVIOUS, LATENCY_CV, CHANNEL, leaf_warps
+                ]
+                ctx.enqueue_function[tree_kernel](
+                    operands.readout, operands.state, operands.ring, operands.qkv,
+                    operands.decay, operands.beta, operands.row_ids, operands.ring_row_ids,
+                    operands.offsets, operands.previous_ring_row_ids, operands.previous_accepted,
+                    Int32(batch), Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows),
+                    Int32(num_value_heads), Int32(num_key_heads), Int32(record_stride),
+                    Int32(1 if dependent else 0), operands.parents, operands.previous_nodes,
+                    grid_dim=latency_units,
+                    block_dim=WARP_THREADS * leaf_warps,
+                    attributes=dependent_launch(dependent),
+                )
+
+            comptime if LEAF_WARPS > 1:
+                if tree_leaves_shared(latency_units, sms, LEAF_WARPS):
+                    launch_tree[LEAF_WARPS]()
+                    return
+            launch_tree[1]()
             return
         comptime if not TREE:  # a tree launched above; its builds never elaborate the chain kernels
             # No more tokens than requests: plain decoding (padding rows and empty windows

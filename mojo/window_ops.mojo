@@ -23,7 +23,9 @@ from the state of node `parents[b, i]` (-1: the committed state) and writes reco
 its fold on load folds the previous step's accepted path (`previous_accepted_nodes`).
 They run the verify's code with its TREE switch on: on the CPU window_cpu.mojo's, on a
 GPU the latency kernel's (window_gpu_latency.mojo), whatever the GPU path. Their tiling
-parameters are fixed (run_windows needs them; neither of those kernels reads them).
+parameters are fixed (run_windows needs them; neither of those kernels reads them). Their
+one GPU parameter, LEAF_WARPS (1, or 4), shares each unit's leaves among that many warps
+in a small launch (window_launch.tree_leaves_shared).
 """
 
 import extensibility
@@ -312,7 +314,7 @@ struct VerifyTree:
     """
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -329,7 +331,7 @@ struct VerifyTree:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids).with_parents(parents)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, False, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, False, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -338,7 +340,7 @@ struct VerifyTreeChannel:
     """The tree verify with per-channel gates."""
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=3, ...],
@@ -355,7 +357,7 @@ struct VerifyTreeChannel:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids).with_parents(parents)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, True, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, True, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -365,7 +367,7 @@ struct VerifyTreeFoldOnLoad:
     """
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -387,7 +389,7 @@ struct VerifyTreeFoldOnLoad:
             previous_ring_row_ids, previous_num_accepted
         ).with_previous_nodes(previous_accepted_nodes)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, False, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, False, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -396,7 +398,7 @@ struct VerifyTreeFoldOnLoadChannel:
     """The tree verify with per-channel gates, folding the previous accepted path first."""
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int](
+    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=3, ...],
@@ -418,5 +420,5 @@ struct VerifyTreeFoldOnLoadChannel:
             previous_ring_row_ids, previous_num_accepted
         ).with_previous_nodes(previous_accepted_nodes)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, True, True,
+            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, True, True, LEAF_WARPS,
         ](operands, ctx)

@@ -244,14 +244,14 @@ def tree_case(point: Point) -> tuple[WindowCase, np.ndarray, np.ndarray]:
     return case, parents, nodes
 
 
-def tree_call(point: Point) -> Call:
+def tree_call(point: Point, leaf_warps: int = 1) -> Call:
     case, parents, nodes = tree_case(point)
     operands = [*case.tokens(), case.state, case.ring, case.row_ids, case.ring_row_ids, case.input_row_offsets,
                 parents, case.previous_ring_row_ids, case.previous_num_accepted, nodes]
 
     def add(v: list[Any]) -> TensorValue:
         return verify_tree(*v[:9], previous_ring_row_ids=v[9], previous_num_accepted=v[10],
-                           previous_accepted_nodes=v[11])
+                           previous_accepted_nodes=v[11], leaf_warps=leaf_warps)
     return Call(operands, (3, 4), add, True)
 
 
@@ -265,13 +265,15 @@ def tree_wants(point: Point) -> tuple[np.ndarray, ...]:
     return out, pool, ring
 
 
-def check_tree_op(device: str) -> None:
+def check_tree_op(device: str, leaf_warps: int = 1) -> None:
     """The tree verify with fold on load of a previous path for every point of the
-    device's range, in one graph, against the reference."""
+    device's range, in one graph, against the reference; on a GPU with ``leaf_warps``
+    (4: each unit's leaves shared among four warps, these launches being small)."""
     points = range_on(device)
     failures = []
-    for point, (readout, written) in zip(points, run_many(device, f"range_tree_{device}",
-                                                          [tree_call(p) for p in points]), strict=True):
+    calls = [tree_call(p, leaf_warps) for p in points]
+    for point, (readout, written) in zip(points, run_many(device, f"range_tree_{device}_leaf{leaf_warps}", calls),
+                                         strict=True):
         assert readout is not None
         for part, got, expected in zip(("readout", "pool", "ring"), (readout, *written), tree_wants(point),
                                        strict=True):

@@ -18,6 +18,7 @@ the eager tests add the eager fp32 head-gate fold-on-load tree graph.
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 from typing import Any
 
@@ -33,7 +34,7 @@ from gdfold_max.cases import WindowCase, random_accepted_nodes, random_parents, 
 from gdfold_max.eager.window import WindowRunner, runner_for, validate_window
 from gdfold_max.layout import Gate
 from gdfold_max.ops.checks import parent_table
-from gdfold_max.trees import chain_parents
+from gdfold_max.trees import chain_parents, draft_tree
 from range_matrix import Call, run_many
 
 RING_LEN = 6
@@ -65,20 +66,33 @@ def variant_seed(state_dtype: str, gate: Gate) -> int:
     return 40 + VARIANTS.index((state_dtype, gate))
 
 
+#: A batch of WINDOWS repeated this often is a launch too large for a tree unit's leaves to
+#: be shared among warps on any GPU of up to 500 SMs (mojo/window_launch.mojo,
+#: tree_leaves_shared: 4 warps a unit up to 2 units an SM): asked for leaf_warps=4, its
+#: units are one warp each.
+ONE_WARP_COPIES = 12
+#: verify_tree's leaf_warps: one warp a unit, and leaves shared among four in a small launch.
+LEAF_WARPS = [1, 4]
+
+
 @cache
-def tree_case(seed: int, state_dtype: str, gate: Gate) -> tuple[WindowCase, np.ndarray, np.ndarray, np.ndarray]:
+def tree_case(seed: int, state_dtype: str, gate: Gate, copies: int = 1
+              ) -> tuple[WindowCase, np.ndarray, np.ndarray, np.ndarray]:
     """A ragged batch of token trees (random parents: deep paths, wide nodes, forests)
-    and the previous step's accepted paths along random trees of full windows. Request 2
-    folds nothing (a count of 0), request 3 nothing either (RING_LEN + 1), request 4 a
-    whole chain; every previous record off its request's path is NaN, so a record read
-    by mistake shows. Returns the case, ``parents``, the previous nodes and counts."""
-    case = random_window_case(seed, windows=WINDOWS, state_dtype=state_dtype, gate=gate, **SHAPE)
-    parents = random_parents(seed, WINDOWS, RING_LEN)
-    nodes, counts = random_accepted_nodes(seed + 1, random_parents(seed + 1, [RING_LEN] * BATCH, RING_LEN),
-                                          [RING_LEN] * BATCH)
+    and the previous step's accepted paths along random trees of full windows, WINDOWS
+    ``copies`` times over. Request 2 folds nothing (a count of 0), request 3 nothing
+    either (RING_LEN + 1), request 4 a whole chain; every previous record off its
+    request's path is NaN, so a record read by mistake shows. Returns the case,
+    ``parents``, the previous nodes and counts."""
+    windows = WINDOWS * copies
+    batch = len(windows)
+    case = random_window_case(seed, windows=windows, state_dtype=state_dtype, gate=gate, **SHAPE)
+    parents = random_parents(seed, windows, RING_LEN)
+    nodes, counts = random_accepted_nodes(seed + 1, random_parents(seed + 1, [RING_LEN] * batch, RING_LEN),
+                                          [RING_LEN] * batch)
     counts[2], counts[3] = 0, RING_LEN + 1
     nodes[4], counts[4] = np.arange(RING_LEN), RING_LEN
-    for b in range(BATCH):
+    for b in range(batch):
         path = set(int(n) for n in nodes[b, : counts[b]]) if counts[b] <= RING_LEN else set()
         off_path = [n for n in range(RING_LEN) if n not in path]
         case.ring[case.previous_ring_row_ids[b], :, off_path] = np.nan
@@ -101,7 +115,7 @@ def reference_tree(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | No
     return out, state, ring
 
 
-def tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | None = None) -> Call:
+def tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | None = None, leaf_warps: int = 1) -> Call:
     operands = [*case.tokens(), case.state, case.ring, case.row_ids, case.ring_row_ids, case.input_row_offsets,
                 parents]
     if nodes is not None:
@@ -112,7 +126,7 @@ def tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | None = 
         if nodes is not None:
             previous = {"previous_ring_row_ids": v[9], "previous_num_accepted": v[10],
                         "previous_accepted_nodes": v[11]}
-        return verify_tree(*v[:9], **previous)
+        return verify_tree(*v[:9], **previous, leaf_warps=leaf_warps)
     return Call(operands, (3, 4), add, True)
 
 
@@ -369,7 +383,8 @@ def test_cpu_op_refuses_bad_input_before_writing(runner: WindowRunner, eager_cas
 
 def test_graph_refuses_bad_tables() -> None:
     """While the graph is built: parents or a previous path table of a wrong rank, shape
-    or dtype. (One graph for every case: each graph loads the kernel package.)"""
+    or dtype, and a leaf_warps the kernel does not take. (One graph for every case: each
+    graph loads the kernel package.)"""
     k, v, nv, nk = SHAPE["key_dim"], SHAPE["value_dim"], SHAPE["num_value_heads"], SHAPE["num_key_heads"]
     cpu = DeviceRef.CPU()
     inputs = [TensorType(DType.float32, ["T", 2 * nk * k + nv * v], cpu), TensorType(DType.float32, ["T", nv], cpu),
@@ -392,6 +407,7 @@ def test_graph_refuses_bad_tables() -> None:
              rf"previous_accepted_nodes: shape \[{BATCH}, {RING_LEN + 1}\] is not \[batch, RING_LEN\]"),
             ({"previous_ring_row_ids": rows, "previous_num_accepted": rows, "previous_accepted_nodes": floats},
              r"previous_accepted_nodes: dtype DType.float32 is not an integer dtype"),
+            ({"leaf_warps": 2}, r"leaf_warps: 2 must be 1 or 4"),
         ]
         names = ("qkv", "decay", "beta", "recurrent_state", "ring", "row_ids", "ring_row_ids", "input_row_offsets")
         for changes, pattern in refusals:
@@ -400,6 +416,11 @@ def test_graph_refuses_bad_tables() -> None:
                 verify_tree(**arguments)
         graph.output()
 
+
+
+def test_the_runner_refuses_a_leaf_warps_the_kernel_does_not_take() -> None:
+    with pytest.raises(ValueError, match=r"leaf_warps: 3 must be 1 or 4"):
+        WindowRunner("cpu", leaf_warps=3)
 
 
 def test_a_graph_casts_parents_without_wrapping() -> None:
@@ -430,16 +451,65 @@ def bad_tables(parents: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.n
     return parents, nodes
 
 
+#: EAGLE-shaped trees (trees.draft_tree: a spine with leaves hung on it, shallowest first),
+#: NODES x DEPTH, each at a ring of its node count: 16x5 hangs three or two leaves on each
+#: inner node, 32x6 five or six, so each of a unit's three leaf warps steps one or two
+#: leaves of a parent, by rank.
+DRAFT_TREES = [(16, 5), (32, 6)]
+DRAFT_VARIANTS = [("float32", "head"), ("bfloat16", "channel")]
+
+
+@cache
+def draft_case(nodes: int, depth: int, state_dtype: str, gate: Gate
+               ) -> tuple[WindowCase, np.ndarray, np.ndarray]:
+    """Three requests, each the tree ``draft_tree(nodes, depth)`` in a full window, with
+    fold on load of a random root path of the same tree (none for one request); every
+    previous record off its request's path is NaN. Returns the case, ``parents`` and the
+    previous nodes."""
+    windows = [nodes] * 3
+    seed = 70 + nodes + DRAFT_VARIANTS.index((state_dtype, gate))
+    shape = {**SHAPE, "ring_len": nodes}
+    case = random_window_case(seed, windows=windows, state_dtype=state_dtype, gate=gate, **shape)
+    parents = np.tile(draft_tree(nodes, depth), (len(windows), 1))
+    previous, counts = random_accepted_nodes(seed + 1, parents, windows)
+    counts[1] = 0
+    for b in range(len(windows)):
+        path = set(int(n) for n in previous[b, : counts[b]])
+        case.ring[case.previous_ring_row_ids[b], :, [n for n in range(nodes) if n not in path]] = np.nan
+    case.previous_num_accepted[:] = counts
+    return case, parents, previous
+
+
+def leaf_suffix(leaf_warps: int) -> str:
+    """run_all_gpu's name suffix for ``leaf_warps``."""
+    return "" if leaf_warps == 1 else f" leaf {leaf_warps}"
+
+
 @cache
 def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
     """run_all's trees (every variant, with and without fold on load) and chains (the
-    tree verify and the chain verify) on the GPU, and the fp32 head-gate case with the
-    bad tables of :data:`BAD_PARENTS` and :data:`BAD_PATH`; one GPU graph."""
+    tree verify and the chain verify) on the GPU, the trees again with leaves shared
+    among four warps (``leaf 4`` names) and in a launch too large for that, and the fp32
+    head-gate case with the bad tables of :data:`BAD_PARENTS` and :data:`BAD_PATH`,
+    each way, and the EAGLE-shaped trees of :data:`DRAFT_TREES` each way; one GPU graph."""
     calls = variant_calls()
+    for dtype, gate in VARIANTS:
+        case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate)
+        calls[f"tree {dtype} {gate}{leaf_suffix(4)}"] = tree_call(case, parents, leaf_warps=4)
+        calls[f"fold on load {dtype} {gate}{leaf_suffix(4)}"] = tree_call(case, parents, nodes, leaf_warps=4)
     case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
     bad_parents, bad_nodes = bad_tables(parents, nodes)
-    calls["bad parents"] = tree_call(case, bad_parents)
-    calls["bad parents, fold on load"] = tree_call(case, bad_parents, bad_nodes)
+    for leaf_warps in LEAF_WARPS:
+        calls["bad parents" + leaf_suffix(leaf_warps)] = tree_call(case, bad_parents, leaf_warps=leaf_warps)
+        calls["bad parents, fold on load" + leaf_suffix(leaf_warps)] = tree_call(case, bad_parents, bad_nodes,
+                                                                                 leaf_warps=leaf_warps)
+    for dtype, gate in CHAIN_VARIANTS:
+        case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate, ONE_WARP_COPIES)
+        calls[f"one warp a unit {dtype} {gate}"] = tree_call(case, parents, nodes, leaf_warps=4)
+    for (nodes, depth), (dtype, gate), leaf_warps in itertools.product(DRAFT_TREES, DRAFT_VARIANTS, LEAF_WARPS):
+        case, parents, previous = draft_case(nodes, depth, dtype, gate)
+        calls[f"draft {nodes}x{depth} {dtype} {gate}{leaf_suffix(leaf_warps)}"] = tree_call(
+            case, parents, previous, leaf_warps=leaf_warps)
     results = run_many("gpu", "verify_tree_gpu", list(calls.values()))
     got: dict[str, tuple[np.ndarray, ...]] = {}
     for name, (readout, written) in zip(calls, results, strict=True):
@@ -449,20 +519,45 @@ def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("state_dtype", "gate"), CHAIN_VARIANTS)
+def test_gpu_tree_of_a_large_launch_matches_the_reference(state_dtype: str, gate: Gate) -> None:
+    """The tree verify with fold on load, asked to share leaves among four warps, in a
+    launch too large for that: its units are one warp each."""
+    case, parents, nodes, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate, ONE_WARP_COPIES)
+    got = run_all_gpu()[f"one warp a unit {state_dtype} {gate}"]
+    assert_same(got, reference_tree(case, parents, nodes), "GPU tree (one warp a unit) vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
 @pytest.mark.parametrize(("state_dtype", "gate"), VARIANTS)
-def test_gpu_tree_matches_the_reference(state_dtype: str, gate: Gate) -> None:
+def test_gpu_tree_matches_the_reference(state_dtype: str, gate: Gate, leaf_warps: int) -> None:
     case, parents, _, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
-    got = run_all_gpu()[f"tree {state_dtype} {gate}"]
+    got = run_all_gpu()[f"tree {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
     assert_same(got, reference_tree(case, parents), "GPU tree vs reference")
     assert_bits_equal(got[1], case.state, "the pool, which a tree verify does not write")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
 @pytest.mark.parametrize(("state_dtype", "gate"), VARIANTS)
-def test_gpu_fold_on_load_matches_the_reference(state_dtype: str, gate: Gate) -> None:
+def test_gpu_fold_on_load_matches_the_reference(state_dtype: str, gate: Gate, leaf_warps: int) -> None:
     case, parents, nodes, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
-    got = run_all_gpu()[f"fold on load {state_dtype} {gate}"]
+    got = run_all_gpu()[f"fold on load {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
     assert_same(got, reference_tree(case, parents, nodes), "GPU fold on load vs reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
+@pytest.mark.parametrize(("state_dtype", "gate"), DRAFT_VARIANTS)
+@pytest.mark.parametrize(("nodes", "depth"), DRAFT_TREES)
+def test_gpu_draft_tree_matches_the_reference(nodes: int, depth: int, state_dtype: str, gate: Gate,
+                                              leaf_warps: int) -> None:
+    """EAGLE-shaped trees with fold on load, where a parent has more leaves than a unit
+    has leaf warps: every node's readout, the pool and every record."""
+    case, parents, previous = draft_case(nodes, depth, state_dtype, gate)
+    got = run_all_gpu()[f"draft {nodes}x{depth} {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
+    assert_same(got, reference_tree(case, parents, previous), "GPU draft tree vs reference")
 
 
 @pytest.mark.gpu
@@ -476,13 +571,15 @@ def test_gpu_chain_gives_the_gpu_chain_verify_bits(state_dtype: str, gate: Gate)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
 @pytest.mark.parametrize("fold_on_load", [False, True], ids=["tree", "fold on load"])
-def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool) -> None:
+def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool, leaf_warps: int) -> None:
     """A request whose parents (or previous path) the kernel finds bad reads NaN and
     leaves its pool row and ring rows as they were; every other request is the
     reference's (run with the good tables)."""
     case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
-    readout, state, ring = run_all_gpu()["bad parents, fold on load" if fold_on_load else "bad parents"]
+    name = "bad parents, fold on load" if fold_on_load else "bad parents"
+    readout, state, ring = run_all_gpu()[name + leaf_suffix(leaf_warps)]
     want = reference_tree(case, parents, nodes if fold_on_load else None)
     skipped = set(BAD_PARENTS) | (set(BAD_PATH) if fold_on_load else set())
     offsets = case.input_row_offsets

@@ -5,7 +5,9 @@ with fold on load and forward; head and per-channel gates; four columns a thread
 two), the throughput kernel (each op; head and per-channel gates) and, last, the latency
 kernel's tree verify (with and without fold on load; head and per-channel gates; four
 columns a thread, and two with head gates), in fp32 and bf16 pools; then the fold at K = V =
-256 and the tree verify with fold on load at RING_LEN 32 (32-node trees). same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+256 and the tree verify with fold on load at RING_LEN 32 (32-node trees); then the tree
+verify with its leaves shared among four warps (small launches), at four columns a thread
+and, with head gates, two. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
@@ -67,6 +69,15 @@ def latency_tree[dtype: DType, fold_previous: Bool, cv: Int, channel: Bool]():
     ]().asm)
 
 
+def latency_tree_shared_leaves[dtype: DType, fold_previous: Bool, channel: Bool, cv: Int = 4]():
+    print("// kernel: latency tree, leaves shared by 4 warps,", dtype, "fold on load" if fold_previous else "verify",
+          cv, "columns,", "channel" if channel else "head")
+    print(_compile_code[
+        windows_gpu_latency_tree_kernel[dtype, 128, 128, 4, fold_previous, cv, channel, 4],
+        target=get_gpu_target["sm_90a"](),
+    ]().asm)
+
+
 def throughput[dtype: DType, record: Bool, fold_previous: Bool, tile: Int, channel: Bool = False]():
     # Head-gate labels end as they did before the kernel took per-channel gates, so that
     # same_ptx.sh pairs them with earlier revisions'; per-channel ones end in "channel".
@@ -121,3 +132,14 @@ def main():
         fold_ring32[dtype, 64, rows, True]()
         latency_tree_ring32[dtype, False]()
         latency_tree_ring32[dtype, True]()
+    # The tree verify with its leaves shared among warps, last.
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime for fold_previous in range(2):
+            latency_tree_shared_leaves[dtype, fold_previous == 1, False]()
+            latency_tree_shared_leaves[dtype, fold_previous == 1, True]()
+    # And at two columns a thread (a V that is not a multiple of 16, or a K past 128).
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime for fold_previous in range(2):
+            latency_tree_shared_leaves[dtype, fold_previous == 1, False, 2]()

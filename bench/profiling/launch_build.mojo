@@ -8,7 +8,8 @@ kernels_ptx.mojo). No GPU needed:
 
 * the tree verify, run_windows["gpu", ..., TREE=True], fp32 and bf16 pools, with and
   without fold on load, head and per-channel gates, and at K = V = 256 with per-channel
-  gates and fold on load (the throughput kernel is not compiled for a tree);
+  gates and fold on load (the throughput kernel is not compiled for a tree), and with
+  LEAF_WARPS 4 (the one-warp and the four-warp kernels both compiled);
 * per-channel gates on "auto" (GPU_PATH 0: both kernels compiled), and at K = V = 256
   with fold on load on the latency kernel, which ops/window.py's gpu_tiling passes for
   "auto" there (the throughput kernel's staging would not fit an SM);
@@ -24,9 +25,9 @@ from mojo.window_ops import verify_or_forward
 
 
 def launch_tree[
-    dtype: DType, fold: Bool, channel: Bool, K: Int = 128
+    dtype: DType, fold: Bool, channel: Bool, K: Int = 128, leaf_warps: Int = 1
 ](operands: WindowOperands[dtype], ctx: DeviceContext) raises:
-    run_windows["gpu", K, K, 4, 8, 0, 0, True, fold, channel, True](operands, ctx)
+    run_windows["gpu", K, K, 4, 8, 0, 0, True, fold, channel, True, leaf_warps](operands, ctx)
 
 
 def launch_channel[
@@ -41,6 +42,8 @@ def every(f32: WindowOperands[DType.float32], bf16: WindowOperands[DType.bfloat1
     launch_tree[DType.float32, False, True](f32, ctx)
     launch_tree[DType.bfloat16, True, True](bf16, ctx)
     launch_tree[DType.float32, True, True, 256](f32, ctx)
+    launch_tree[DType.float32, True, False, 128, 4](f32, ctx)
+    launch_tree[DType.bfloat16, False, True, 128, 4](bf16, ctx)
     launch_channel[DType.float32, True, 128, 0](f32, ctx)
     launch_channel[DType.bfloat16, False, 128, 0](bf16, ctx)
     launch_channel[DType.float32, True, 256, 1](f32, ctx)

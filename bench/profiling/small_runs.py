@@ -12,11 +12,12 @@ bad ids on the host): ids past the pool or the ring in GPU graphs of every op an
 memcheck only). ``tree``: the tree verify on the latency kernel (random forests of up to
 4 and 32 nodes, fp32 and bf16 pools, head and per-channel gates, with and without fold on
 load of a previous path, eagerly; then in GPU graphs, requests with bad parents or a bad
-previous path skipped). Small enough to run under compute-sanitizer (sanitize.sh), which
-runs the groups side by side:
+previous path skipped; with one warp a unit and with leaves shared among four;
+``tree-shared``: the four-warp runs alone, for ``SANITIZE_GROUPS=tree-shared``). Small
+enough to run under compute-sanitizer (sanitize.sh), which runs the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold path latency throughput claimed channel chunks skips shared-row tree
+    # fold path latency throughput claimed channel chunks skips shared-row tree tree-shared
 """
 
 from __future__ import annotations
@@ -228,11 +229,17 @@ TREE_WINDOWS = [(4, [4, 0, 1, 4, 3]), (32, [32, 0, 1, 32, 17])]
 
 
 def run_trees() -> None:
+    """The tree verify with one warp a unit and with leaves shared among four
+    (``leaf_warps``; these launches are small enough for four)."""
+    for leaf_warps in (1, 4):
+        run_tree_kernel(WindowRunner("gpu", leaf_warps=leaf_warps))
+
+
+def run_tree_kernel(runner: WindowRunner) -> None:
     """The tree verify on the GPU (the latency kernel, whatever the runner's path),
     eagerly, bit for bit against the reference; then GPU graphs whose request 0 has a
     node that names itself as parent and, with fold on load, whose request 3 has a
     previous path out of order: those requests are skipped, the others exact."""
-    runner = runner_for("gpu")
     for (ring_len, windows), gate, dtype in itertools.product(TREE_WINDOWS, ("head", "channel"),
                                                                ("float32", "bfloat16")):
         batch = len(windows)
@@ -253,7 +260,7 @@ def run_trees() -> None:
             want = reference.verify_tree(*case.tokens(), want_state, want_ring, **tables, parents=parents,
                                          **extra)
             what = (f"tree verify{' with fold on load' if fold_on_load else ''}, RING_LEN {ring_len}, {dtype}"
-                    f" pool, {gate} gates")
+                    f" pool, {gate} gates, leaf_warps {runner.leaf_warps}")
             same_step((got, state, ring), (want, want_state, want_ring), what)
     # In GPU graphs: request 0's node 1 names itself; with fold on load, either that or
     # request 0's previous path backwards (it folds the whole ring, in order, otherwise).
@@ -278,7 +285,8 @@ def run_trees() -> None:
         state, ring = case.fresh()
         want = reference.verify_tree(*case.tokens(), state, ring, **tables, **extra)
         got = run_in_graph(runner, kind, case, tables | extra | bad)
-        check_skipped(f"{kind} in a graph, request 0's {what} bad", got, (want, state, ring), case, 0)
+        check_skipped(f"{kind} in a graph, leaf_warps {runner.leaf_warps}, request 0's {what} bad", got,
+                      (want, state, ring), case, 0)
 
 
 def run_shared_row() -> None:
@@ -311,11 +319,13 @@ GROUPS = {
     "skips": run_skips,
     "shared-row": run_shared_row,
     "tree": run_trees,
+    "tree-shared": lambda: run_tree_kernel(WindowRunner("gpu", leaf_warps=4)),
 }
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(GROUPS)
+    # With no group named, every group once: `tree` already runs tree-shared's four-warp runs.
+    names = sys.argv[1:] or [name for name in GROUPS if name != "tree-shared"]
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         raise SystemExit(f"unknown groups {unknown}: choose from {list(GROUPS)}")

@@ -8,11 +8,19 @@ nodes along its spine. Every variant folds that path on load and verifies, for e
 layer:
 
 * ``tree``: our ``verify_tree`` with fold on load of the previous accepted path.
+* ``tree-shared-leaves``: the same with ``leaf_warps=4``: in a launch small enough, each
+  unit's first warp steps the inner nodes and three more its leaves, from each parent's
+  state in shared memory (the same bits; on the CPU the same code).
 * ``chain``: our ``verify_ring`` with fold on load over a chain of ``depth`` tokens (the
   same depth, ``nodes - depth`` fewer candidates), on the kernel ``auto`` picks (on a GPU
   the throughput kernel): what a tree costs over the chain a user runs today.
 * ``chain-latency``: the same chain on the latency kernel, which every tree verify runs on
   a GPU: what the tree's extra nodes cost on one kernel.
+* ``chain-nodes``: our ``verify_ring`` with the same fold on load over a chain of ``nodes``
+  tokens, on the kernel ``auto`` picks: as many token steps as the tree has nodes, on the
+  throughput kernel at these batches, which runs chains only. What a tree verify on that
+  kernel would cost if staging its tokens by node cost what staging a chain costs (a leaf
+  steps as a token does, without storing the state).
 * ``paths``: our ``verify_ring`` with fold on load over every root-to-leaf path of the
   tree as a request of its own, each with its own pool row: what a caller without a tree
   verify does. The copies of the state into those rows are not counted, so this is the
@@ -55,7 +63,12 @@ from .harness import (
 )
 from .step import FLOOR_COPY_BYTES, make_step_operands, step_host_inputs, step_input_types
 
-TREE_VARIANTS = ("tree", "chain", "chain-latency", "paths")
+TREE_VARIANTS = ("tree", "tree-shared-leaves", "chain", "chain-latency", "chain-nodes", "paths")
+#: The variants that run a tree verify, whose rows carry the ratios to the others.
+TREE_VERIFIES = ("tree", "tree-shared-leaves")
+#: The rows that carry the separate paths' time over theirs: the tree verifies', and
+#: ``chain-nodes``', what a tree verify on the throughput kernel would give.
+PATHS_COMPARED = (*TREE_VERIFIES, "chain-nodes")
 
 
 @dataclass(frozen=True)
@@ -111,11 +124,12 @@ class TreeRow:
     #: The tree's state read and written once at the copy bandwidth, µs.
     floor_us: float
     over_floor: float
-    #: On the ``tree`` row: its time over the chain's (the issue's bound: at most 2x).
+    #: On a tree verify's row: its time over the chain's (the issue's bound: at most 2x).
     tree_over_chain: float
-    #: On the ``tree`` row: its time over the chain's on the latency kernel.
+    #: On a tree verify's row: its time over the chain's on the latency kernel.
     tree_over_chain_latency: float
-    #: On the ``tree`` row: the separate paths' time over the tree's.
+    #: On a tree verify's row: the separate paths' time over the tree's; on
+    #: ``chain-nodes``' row, over that chain's.
     paths_over_tree: float
 
 
@@ -131,8 +145,10 @@ class TreeStepGraphs(ChainedGraphs):
         accepted = tree.depth - 1
         self.shapes = {
             "tree": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
+            "tree-shared-leaves": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "chain": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
             "chain-latency": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
+            "chain-nodes": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "paths": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
         }
 
@@ -140,7 +156,7 @@ class TreeStepGraphs(ChainedGraphs):
         shape = self.shapes[variant]
         where = DeviceRef.from_device(self.device)
         inputs = step_input_types(shape, state_dtype, where)
-        if variant == "tree":
+        if variant in TREE_VERIFIES:
             inputs += [TensorType(DType.int32, ["batch", shape.ring_len], where),
                        TensorType(DType.uint32, ["batch", shape.ring_len], where)]
         name = f"tree_step_{variant}_{self.tree.nodes}x{self.tree.depth}_{state_dtype.name}_x{links}"
@@ -152,10 +168,11 @@ class TreeStepGraphs(ChainedGraphs):
             for _ in range(links):
                 for layer in range(shape.num_layers):
                     previous = {"previous_ring_row_ids": previous_rows[layer], "previous_num_accepted": accepted}
-                    if variant == "tree":
+                    if variant in TREE_VERIFIES:
                         parents, previous_nodes = tree_tables
                         readout = verify_tree(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
-                                              parents, previous_accepted_nodes=previous_nodes, **previous)
+                                              parents, previous_accepted_nodes=previous_nodes, **previous,
+                                              leaf_warps=4 if variant == "tree-shared-leaves" else 1)
                     else:
                         path = "latency" if variant == "chain-latency" else "auto"
                         readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
@@ -169,7 +186,7 @@ class TreeStepGraphs(ChainedGraphs):
         shape = self.shapes[variant]
         if variant != "paths":
             operands = make_step_operands(self.device, shape, batch, state_dtype)
-            if variant == "tree":
+            if variant in TREE_VERIFIES:
                 parents = np.tile(self.tree.parents, (batch, 1))
                 path = np.zeros(self.tree.nodes, np.uint32)
                 path[: shape.accepted] = np.arange(shape.accepted)  # the spine: nodes 0, 1, ...
@@ -247,10 +264,9 @@ def run_tree_bench(
                                     partial(graphs.per_link_seconds, v, state_dtype, operands[v], repeats, on_gpu))
             measured = measure_rounds(TREE_VARIANTS, rounds, timers)
             floor = 2 * shape.state_bytes(batch, state_dtype) / (copy_tb_s * 1e12)
-            tree_seconds = measured.median("tree")
             for variant in TREE_VARIANTS:
                 seconds = measured.median(variant)
-                on_tree = variant == "tree"
+                on_tree = variant in TREE_VERIFIES
                 rows.append(TreeRow(
                     variant=variant,
                     state_dtype=state_dtype.name,
@@ -262,10 +278,11 @@ def run_tree_bench(
                     rounds=rounds,
                     floor_us=floor * 1e6,
                     over_floor=ratio(seconds, floor),
-                    tree_over_chain=ratio(tree_seconds, measured.median("chain")) if on_tree else float("nan"),
-                    tree_over_chain_latency=(ratio(tree_seconds, measured.median("chain-latency")) if on_tree
+                    tree_over_chain=ratio(seconds, measured.median("chain")) if on_tree else float("nan"),
+                    tree_over_chain_latency=(ratio(seconds, measured.median("chain-latency")) if on_tree
                                              else float("nan")),
-                    paths_over_tree=ratio(measured.median("paths"), tree_seconds) if on_tree else float("nan"),
+                    paths_over_tree=(ratio(measured.median("paths"), seconds) if variant in PATHS_COMPARED
+                                     else float("nan")),
                 ))
             del operands, timers
     return rows
@@ -284,6 +301,6 @@ def render_tree_rows(rows: Sequence[TreeRow], console: Console) -> None:
         ("over floor", lambda r: times(r.over_floor)),
         ("tree / chain", lambda r: times(r.tree_over_chain)),
         ("tree / chain on latency", lambda r: times(r.tree_over_chain_latency)),
-        ("paths / tree", lambda r: times(r.paths_over_tree)),
+        ("paths / this", lambda r: times(r.paths_over_tree)),
     ]
     render_rows("one decoding step over token trees (all layers, fold on load), medians", columns, rows, console)

@@ -23,7 +23,15 @@ from max.graph import Module as GraphModule
 from ..layout import Gate, check_gate
 from ..ops.checks import pool_dims, ring_parameters
 from ..ops.kernels import kernels_path
-from ..ops.window import GPU_PATHS, WindowTiling, check_qkv_width, recurrence, verify_ring, verify_tree
+from ..ops.window import (
+    GPU_PATHS,
+    TREE_LEAF_WARPS,
+    WindowTiling,
+    check_qkv_width,
+    recurrence,
+    verify_ring,
+    verify_tree,
+)
 from ..trees import check_parents, previous_path_given
 from .base import (
     ArrayOrBuffer,
@@ -179,14 +187,22 @@ class WindowRunner(CompiledGraphs):
             :func:`gdfold_max.verify_ring`.
         gpu_path: GPU only: ``"auto"``, ``"latency"`` or ``"throughput"``, as in
             :func:`gdfold_max.verify_ring`.
+        leaf_warps: GPU only, the tree verify's: 1 or 4, as in
+            :func:`gdfold_max.verify_tree`.
+
+    Raises:
+        ValueError: a ``leaf_warps`` other than 1 or 4.
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,
-                 requests_per_block: int | None = None, gpu_path: str = "auto") -> None:
+                 requests_per_block: int | None = None, gpu_path: str = "auto", leaf_warps: int = 1) -> None:
+        if leaf_warps not in (1, TREE_LEAF_WARPS):
+            raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
         super().__init__(device)
         self.column_tile = column_tile
         self.requests_per_block = requests_per_block
         self.gpu_path = gpu_path
+        self.leaf_warps = leaf_warps
 
     def model(self, kind: str, state_dtype: DType, parameters: dict[str, int]) -> Model:
         """The compiled graph of ``kind`` (verify, fold_on_load, forward, tree or
@@ -262,7 +278,7 @@ class WindowRunner(CompiledGraphs):
                 if fold_on_load:
                     previous = {"previous_ring_row_ids": rest[4], "previous_num_accepted": rest[5],
                                 "previous_accepted_nodes": rest[6]}
-                out = verify_tree(qkv, decay, beta, state, ring, *rest[:4], **previous)
+                out = verify_tree(qkv, decay, beta, state, ring, *rest[:4], **previous, leaf_warps=self.leaf_warps)
             else:
                 ring = graph.inputs[4].buffer
                 rest = [x.tensor for x in graph.inputs[5:]]
@@ -338,7 +354,8 @@ class WindowRunner(CompiledGraphs):
         the previous step's accepted path when the three previous tables are given;
         returns every node's readout. The ring (and, with fold on load, the pool) is
         written in place. On a GPU it runs on the latency kernel, whatever the runner's
-        ``gpu_path`` (the throughput kernel runs chains only); the tables are checked
+        ``gpu_path`` (the throughput kernel runs chains only), with the runner's
+        ``leaf_warps``; the tables are checked
         here, on the host, before anything is written, on either device.
 
         Raises:

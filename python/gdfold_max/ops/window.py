@@ -61,6 +61,9 @@ AUTOMATIC_REQUESTS_PER_BLOCK = 0
 #: throughput kernel's staging does not fit an SM at the default tile (a large K with a
 #: fold on load: K = 256, and from K = 208 at a 64-column tile).
 GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
+#: The warps a tree verify's unit may share its leaves among (``verify_tree``'s
+#: ``leaf_warps``; mojo/window_launch.mojo, tree_leaves_shared).
+TREE_LEAF_WARPS = 4
 
 
 class WindowTiling(TypedDict, total=False):
@@ -425,6 +428,7 @@ def verify_tree(
     previous_ring_row_ids: TensorValue | None = None,
     previous_num_accepted: TensorValue | None = None,
     previous_accepted_nodes: TensorValue | None = None,
+    leaf_warps: int = 1,
 ) -> TensorValue:
     """Runs each request's window as a token tree, recording into the ring; returns every
     node's readout. On the CPU, or on an NVIDIA Hopper GPU on the latency kernel (the
@@ -462,13 +466,22 @@ def verify_tree(
         previous_accepted_nodes: ``[batch, RING_LEN]`` integer table (cast to uint32),
             fold on load: the previous path's nodes, in increasing order; entries past
             ``previous_num_accepted[b]`` are not read.
+        leaf_warps: GPU only, 1 (default) or :data:`TREE_LEAF_WARPS`: with 4, where the
+            launch is small enough for every unit's four warps to be resident at once
+            (up to 2 units an SM), a unit (a request's slab of one value head) is four
+            warps: the first steps the inner nodes and hands each parent's state over
+            in shared memory, the other three step its leaves from it, a third each, so
+            a unit's chain of steps is its inner nodes; larger launches run one warp a
+            unit. The same bits either way; which is faster is for ``bench-step --tree``
+            to say, and 1 stays the default until it has.
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, for only
-            some of the three previous tables, or a GPU that is not a Hopper. At run
+            some of the three previous tables, a ``leaf_warps`` other than 1 or 4, or a
+            GPU that is not a Hopper. At run
             time on the CPU, before anything is written: a bad id or offsets, a window
             longer than RING_LEN, a parent that is not -1 or an earlier node of its
             window, a previous path with a node past the ring or out of order, a ring row
@@ -478,6 +491,8 @@ def verify_tree(
             :func:`verify_ring` does for a bad id.
     """
     check_window_device(recurrent_state.device)
+    if leaf_warps not in (1, TREE_LEAF_WARPS):
+        raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     ring_len = parameters["RING_LEN"]
@@ -495,7 +510,7 @@ def verify_tree(
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
     return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables],
-                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len})
+                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len, "LEAF_WARPS": leaf_warps})
 
 
 def recurrence(

@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=10)
     parser.add_argument("--memory", type=float, default=0.1, help="each pipeline's device memory utilization")
     parser.add_argument("--overlap", choices=["on", "off"], default="on", help="MAX's overlap scheduler")
+    parser.add_argument("--print-op-tables", action="store_true",
+                        help="print what each layer's gdfold_verify_or_forward is given and its readout's first"
+                             " columns, as the graph runs (max.graph.ops.print)")
     parser.add_argument("--child", nargs=3, metavar=("ROUTE", "TARGET", "DRAFT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -59,7 +62,8 @@ def main() -> None:
         copy = root / f"target-{route}"
         subprocess.run(["cp", "-r", str(target), str(copy)], check=True)
         argv = [sys.executable, __file__, "--child", route, str(copy), str(draft), "--new-tokens",
-                str(args.new_tokens), "--memory", str(args.memory), "--overlap", args.overlap]
+                str(args.new_tokens), "--memory", str(args.memory), "--overlap", args.overlap,
+                *(["--print-op-tables"] if args.print_op_tables else [])]
         children[route] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def echo(route: str, child: subprocess.Popen) -> None:
@@ -113,7 +117,9 @@ def step_alone(route: str, target: Path, draft: Path, args: argparse.Namespace) 
         given.append(inputs)
         return inputs
 
-    processor_cls.prepare_initial_token_inputs = recorded  # type: ignore[method-assign]
+    processor_cls.prepare_initial_token_inputs = recorded
+    if args.print_op_tables:
+        print_op_tables()
     started = time.perf_counter()
     retrieved = PIPELINE_REGISTRY.retrieve_factory(config)
     pipeline = retrieved.factory()
@@ -134,6 +140,32 @@ def step_alone(route: str, target: Path, draft: Path, args: argparse.Namespace) 
                 print(json.dumps({"step": step, "returned": str(returned)[:120], **state_of(given[-1], step == 1)}),
                       flush=True)
             print(json.dumps({"sequence": [list(map(int, s)) for s in batch.sequences]}), flush=True)
+
+
+def print_op_tables() -> None:
+    """Wraps the fused layer's op so that the graph prints, each time it runs, the tables
+    each layer's ``gdfold_verify_or_forward`` is given and the first columns of its readout."""
+    from max.graph import ops
+
+    from gdfold_max.integrations import max_qwen3_5
+
+    op = max_qwen3_5.verify_or_forward
+    calls = [0]
+
+    def printed(qkv: Any, decay: Any, beta: Any, state: Any, ring: Any, row_ids: Any, ring_row_ids: Any,
+                offsets: Any, previous_rows: Any, previous_counts: Any, width: Any, **kwargs: Any) -> Any:
+        layer = calls[0]
+        calls[0] += 1
+        for name, value in (("row_ids", row_ids), ("ring_row_ids", ring_row_ids), ("offsets", offsets),
+                            ("previous_ring_row_ids", previous_rows), ("previous_num_accepted", previous_counts),
+                            ("width", ops.shape_to_tensor(width.shape))):
+            ops.print(value, label=f"layer {layer} {name}")
+        readout = op(qkv, decay, beta, state, ring, row_ids, ring_row_ids, offsets, previous_rows, previous_counts,
+                     width, **kwargs)
+        ops.print(readout[:, :4], label=f"layer {layer} readout[:, :4]")
+        return readout
+
+    max_qwen3_5.verify_or_forward = printed
 
 
 def state_of(inputs: Any, shapes: bool) -> dict[str, Any]:

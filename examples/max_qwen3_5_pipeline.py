@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -417,6 +418,26 @@ def decode_in_child(folder: Path, name: str, drafts: int, new_tokens: int) -> No
     print(TOKENS_LINE + json.dumps(tokens.tolist()), flush=True)
 
 
+def echo_children(children: dict[str, subprocess.Popen], on_line: Callable[[str, str], None] | None = None
+                  ) -> dict[str, int]:
+    """Echoes the output of processes started with ``stdout=PIPE, text=True`` line by line
+    as it comes, each line led by its process's name (and handed to ``on_line``), until
+    all have ended; returns their exit statuses."""
+    def echo(name: str, child: subprocess.Popen) -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if on_line is not None:
+                on_line(name, line)
+            print(f"[{name}] {line}", end="", flush=True)
+
+    readers = [threading.Thread(target=echo, args=item) for item in children.items()]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    return {name: child.wait() for name, child in children.items()}
+
+
 def decode_side_by_side(folder: Path, drafts: int, new_tokens: int) -> dict[str, np.ndarray]:
     """Runs every decoding of DECODINGS in a process of its own, all at once; echoes their
     output line by line as it comes, each line led by its decoding's name."""
@@ -427,19 +448,11 @@ def decode_side_by_side(folder: Path, drafts: int, new_tokens: int) -> dict[str,
         for name in DECODINGS}
     tokens: dict[str, np.ndarray] = {}
 
-    def echo(name: str, child: subprocess.Popen) -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            if line.startswith(TOKENS_LINE):
-                tokens[name] = np.array(json.loads(line[len(TOKENS_LINE):]))
-            print(f"[{name}] {line}", end="", flush=True)
+    def keep_tokens(name: str, line: str) -> None:
+        if line.startswith(TOKENS_LINE):
+            tokens[name] = np.array(json.loads(line[len(TOKENS_LINE):]))
 
-    readers = [threading.Thread(target=echo, args=item) for item in children.items()]
-    for reader in readers:
-        reader.start()
-    for reader in readers:
-        reader.join()
-    codes = {name: child.wait() for name, child in children.items()}
+    codes = echo_children(children, keep_tokens)
     failed = {name: code for name, code in codes.items() if code != 0 or name not in tokens}
     if failed:
         raise SystemExit(f"decodings that failed (name: exit status): {failed}")

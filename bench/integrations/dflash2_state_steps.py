@@ -26,7 +26,6 @@ import runpy
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,18 +64,7 @@ def main() -> None:
                 str(args.new_tokens), "--memory", str(args.memory), "--overlap", args.overlap,
                 *(["--print-op-tables"] if args.print_op_tables else [])]
         children[route] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def echo(route: str, child: subprocess.Popen) -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
-            print(f"[{route}] {line}", end="", flush=True)
-
-    readers = [threading.Thread(target=echo, args=item) for item in children.items()]
-    for reader in readers:
-        reader.start()
-    for reader in readers:
-        reader.join()
-    print("exit status", {route: child.wait() for route, child in children.items()}, flush=True)
+    print("exit status", example["echo_children"](children), flush=True)
 
 
 def step_alone(route: str, target: Path, draft: Path, args: argparse.Namespace) -> None:

@@ -159,9 +159,12 @@ def print_op_tables() -> None:
 def state_of(inputs: Any, shapes: bool) -> dict[str, Any]:
     """The request's rows (row 0 of the batch) in the pools of a step's inputs."""
     import numpy as np
+    from max.driver import CPU
+
+    cpu = CPU()
 
     def host(buffer: Any) -> np.ndarray:
-        return buffer.to_numpy() if buffer.is_host else buffer.to(_cpu()).to_numpy()
+        return buffer.to_numpy() if buffer.is_host else buffer.to(cpu).to_numpy()
 
     def row(pool: Any, index: int) -> np.ndarray:
         view = pool[(slice(index, index + 1),) + (slice(None),) * (pool.rank - 1)]
@@ -191,12 +194,6 @@ def state_of(inputs: Any, shapes: bool) -> dict[str, Any]:
         state["carry_entry"] = host(inputs.carry_tables[0])[block].tolist()
         state["tags"] = host(inputs.carry_tags[0]).tolist()
     return state
-
-
-def _cpu() -> Any:
-    from max.driver import CPU
-
-    return CPU()
 
 
 if __name__ == "__main__":

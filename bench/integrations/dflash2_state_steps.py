@@ -132,7 +132,9 @@ def step_alone(route: str, target: Path, draft: Path, args: argparse.Namespace) 
 
 def print_op_tables() -> None:
     """Wraps the fused layer's op so that the graph prints, each time it runs, the tables
-    each layer's ``gdfold_verify_or_forward`` is given and the first columns of its readout."""
+    each layer's ``gdfold_verify_or_forward`` is given, the shapes of its tensors (the op
+    returns without writing where the offsets run past the tokens), the first columns of
+    its input and of its readout."""
     from max.graph import ops
 
     from gdfold_max.integrations import max_qwen3_5
@@ -146,7 +148,9 @@ def print_op_tables() -> None:
         calls[0] += 1
         for name, value in (("row_ids", row_ids), ("ring_row_ids", ring_row_ids), ("offsets", offsets),
                             ("previous_ring_row_ids", previous_rows), ("previous_num_accepted", previous_counts),
-                            ("width", ops.shape_to_tensor(width.shape))):
+                            ("width", ops.shape_to_tensor(width.shape)), ("qkv shape", ops.shape_to_tensor(qkv.shape)),
+                            ("state shape", ops.shape_to_tensor(state.shape)),
+                            ("ring shape", ops.shape_to_tensor(ring.shape)), ("qkv[:, :4]", qkv[:, :4])):
             ops.print(value, label=f"layer {layer} {name}")
         readout = op(qkv, decay, beta, state, ring, row_ids, ring_row_ids, offsets, previous_rows, previous_counts,
                      width, **kwargs)

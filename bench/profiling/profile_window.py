@@ -11,7 +11,10 @@ cost. GPU_PATH is the window kernel, as `gpu_path` of the ops: auto (the default
 latency or throughput (COLUMN_TILE and REQUESTS_PER_BLOCK shape the throughput
 kernel only). VARIANT `tree:NODESxDEPTH` (e.g. `tree:16x5`) runs the tree verify with
 fold on load of the spine instead, over the tree `bench-step --tree` times (the
-latency kernel's tree unit; COLUMN_TILE, REQUESTS_PER_BLOCK and GPU_PATH unused).
+latency kernel's tree unit; COLUMN_TILE, REQUESTS_PER_BLOCK and GPU_PATH unused);
+`tree-shared-leaves:NODESxDEPTH` the same with `leaf_warps=4` (a unit's leaves stepped by
+three more warps from its parent's state in shared memory, where the launch is small
+enough), as `bench-step --tree` times it.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ def main() -> None:
     if dtype_name not in ("float32", "bfloat16"):
         sys.exit(f"DTYPE: float32 or bfloat16, got {dtype_name!r}")
     variant = sys.argv[5] if len(sys.argv) > 5 else "fused"
-    if variant.startswith("tree:"):
-        run_tree(TreeShape.parse(variant.removeprefix("tree:")), batch, getattr(DType, dtype_name))
+    tree_variant, _, tree_shape = variant.partition(":")
+    if tree_variant in ("tree", "tree-shared-leaves") and tree_shape:
+        run_tree(TreeShape.parse(tree_shape), tree_variant, batch, getattr(DType, dtype_name))
         return
     if variant not in ("fused", "forward"):
-        sys.exit(f"VARIANT: fused, forward or tree:NODESxDEPTH, got {variant!r}")
+        sys.exit(f"VARIANT: fused, forward, tree:NODESxDEPTH or tree-shared-leaves:NODESxDEPTH, got {variant!r}")
     gpu_path = sys.argv[6] if len(sys.argv) > 6 else "auto"
     if gpu_path not in GPU_PATHS:
         sys.exit(f"GPU_PATH: one of {', '.join(GPU_PATHS)}, got {gpu_path!r}")
@@ -51,12 +55,13 @@ def main() -> None:
     run_three_times(graphs, variant, state_dtype, make_step_operands(device, shape, batch, state_dtype))
 
 
-def run_tree(tree: TreeShape, batch: int, state_dtype: DType) -> None:
-    """One layer's tree verify with fold on load, three times."""
+def run_tree(tree: TreeShape, variant: str, batch: int, state_dtype: DType) -> None:
+    """One layer's tree verify with fold on load (`variant`: a TreeStepGraphs variant),
+    three times."""
     device = Accelerator()
     graphs = TreeStepGraphs(InferenceSession(devices=[device]), device, FoldShape(num_layers=1), tree, 2)
-    graphs.compile_all(["tree"], [state_dtype], chained=False)
-    run_three_times(graphs, "tree", state_dtype, graphs.operands("tree", batch, state_dtype))
+    graphs.compile_all([variant], [state_dtype], chained=False)
+    run_three_times(graphs, variant, state_dtype, graphs.operands(variant, batch, state_dtype))
 
 
 def run_three_times(graphs: ChainedGraphs, variant: str, state_dtype: DType, operands: list[Buffer]) -> None:

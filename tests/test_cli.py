@@ -159,3 +159,20 @@ def test_importing_the_package_and_the_cli_loads_no_benchmark() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("variants", "message"), [
+    ("tree,forest", "'forest' is not one of"),
+    ("chain,chain", "'chain' is given twice"),
+])
+def test_bench_step_refuses_tree_variants_it_does_not_have(variants: str, message: str) -> None:
+    result = runner.invoke(app, ["bench-step", "--device", "cpu", "--tree", "8x4", "--tree-variants", variants,
+                                 "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--tree-variants" in result.output and message in " ".join(result.output.split())
+
+
+def test_bench_step_takes_tree_variants_only_with_a_tree() -> None:
+    result = runner.invoke(app, ["bench-step", "--device", "cpu", "--tree-variants", "tree", "--batches", "1"])
+    assert result.exit_code == 2, result.output
+    assert "--tree-variants" in result.output and "give --tree too" in " ".join(result.output.split())

@@ -217,6 +217,10 @@ def bench_step(
         help="Comma-separated token trees NODESxDEPTH (e.g. 8x4,16x5): time our tree verify against the chain of"
              " the tree's depth and against each root-to-leaf path as its own chain, all with fold on load,"
              " instead of the window table.")] = None,
+    tree_variants: Annotated[str | None, typer.Option(
+        help="With --tree: comma-separated variants to compile and time (default: all of tree,"
+             " tree-shared-leaves, chain, chain-latency, chain-nodes, paths); a ratio to a variant left out is"
+             " not shown.")] = None,
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""
     from max.driver import CPU, accelerator_count
@@ -240,8 +244,11 @@ def bench_step(
     if window not in WINDOWS:
         raise typer.BadParameter(f"{window} is not in 1 to {WINDOWS[-1]}", param_hint="--window")
     target = CPU() if device == Target.cpu else None
+    if tree_variants is not None and tree is None:
+        raise typer.BadParameter("--tree-variants chooses among the variants of --tree; give --tree too",
+                                 param_hint="--tree-variants")
     if tree is not None:
-        from .bench.tree import TreeShape, render_tree_rows, run_tree_bench
+        from .bench.tree import TREE_VARIANTS, TreeShape, check_tree_variants, render_tree_rows, run_tree_bench
 
         if gpu_path != "auto" or column_tile is not None or requests_per_block is not None or not replay:
             raise typer.BadParameter("--tree times the tree verify on the latency kernel and chains on each kernel;"
@@ -251,8 +258,13 @@ def bench_step(
             shapes = list(dict.fromkeys(TreeShape.parse(text) for text in tree.split(",")))
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--tree") from None
+        try:
+            variants = (TREE_VARIANTS if tree_variants is None
+                        else check_tree_variants(v.strip() for v in tree_variants.split(",")))
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--tree-variants") from None
         tree_rows = run_tree_bench(shapes, batch_list, dtype_list, shape=FoldShape.for_gate(gate.value), chain=chain,
-                                   repeats=repeats, rounds=rounds, console=console, device=target)
+                                   repeats=repeats, rounds=rounds, console=console, device=target, variants=variants)
         render_tree_rows(tree_rows, console)
         write_json(tree_rows, str(json_out))
         console.print(f"wrote {json_out}")

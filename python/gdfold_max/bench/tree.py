@@ -203,6 +203,23 @@ class TreeStepGraphs(ChainedGraphs):
         return make_step_operands(self.device, shape, len(lengths), state_dtype, host=host)
 
 
+def check_tree_variants(variants: Iterable[str]) -> tuple[str, ...]:
+    """``variants`` as a tuple, each one of :data:`TREE_VARIANTS` and none twice.
+
+    Raises:
+        ValueError: naming ``variants`` and the bad one.
+    """
+    chosen = tuple(variants)
+    if not chosen:
+        raise ValueError(f"variants: none given; choose from {', '.join(TREE_VARIANTS)}")
+    for variant in chosen:
+        if variant not in TREE_VARIANTS:
+            raise ValueError(f"variants: {variant!r} is not one of {', '.join(TREE_VARIANTS)}")
+        if chosen.count(variant) > 1:
+            raise ValueError(f"variants: {variant!r} is given twice")
+    return chosen
+
+
 def _untimed(console: Console, what: str, error: Exception) -> None:
     console.print(f"{what} is not timed: {str(error).splitlines()[0][:160]}")
 
@@ -227,9 +244,17 @@ def run_tree_bench(
     rounds: int = 1,
     console: Console | None = None,
     device: Device | None = None,
+    variants: Sequence[str] = TREE_VARIANTS,
 ) -> list[TreeRow]:
-    """Measures the variants for every tree, dtype and batch on ``device`` (default:
-    the GPU) and returns the rows."""
+    """Measures ``variants`` (default: all of :data:`TREE_VARIANTS`, in that order) for
+    every tree, dtype and batch on ``device`` (default: the GPU) and returns the rows. A
+    ratio whose other variant is not among them is NaN; only the variants asked for are
+    compiled.
+
+    Raises:
+        ValueError: naming ``variants`` and the unknown or repeated one.
+    """
+    variants = check_tree_variants(variants)
     shape = shape or FoldShape()
     console = console or Console()
     device = device or Accelerator()
@@ -240,7 +265,7 @@ def run_tree_bench(
     console.print("compiling the tree step graphs ...")
     started = time.perf_counter()
     for graphs in sets:
-        graphs.compile_all(TREE_VARIANTS, dtypes, chained=not on_gpu)
+        graphs.compile_all(variants, dtypes, chained=not on_gpu)
     console.print(f"compiled in {time.perf_counter() - started:.0f} s")
     largest = max(shape.state_bytes(max(batches), d) for d in dtypes)
     copy_tb_s = (device_copy_tb_s(device, max(FLOOR_COPY_BYTES, largest), repeats) if on_gpu
@@ -253,7 +278,7 @@ def run_tree_bench(
             timers: dict[str, Callable[[], float]] = {}
             operands: dict[str, list[Buffer]] = {}
             where = f"{tree.nodes}x{tree.depth} {state_dtype.name} batch {batch}"
-            for v in TREE_VARIANTS:
+            for v in variants:
                 try:
                     operands[v] = graphs.operands(v, batch, state_dtype)
                 except Exception as error:  # noqa: BLE001 - the separate paths' pools may not fit; time the rest
@@ -262,9 +287,10 @@ def run_tree_bench(
                     continue
                 timers[v] = partial(_timed, console, f"{v} at {where}",
                                     partial(graphs.per_link_seconds, v, state_dtype, operands[v], repeats, on_gpu))
-            measured = measure_rounds(TREE_VARIANTS, rounds, timers)
+            measured = measure_rounds(variants, rounds, timers)
             floor = 2 * shape.state_bytes(batch, state_dtype) / (copy_tb_s * 1e12)
-            for variant in TREE_VARIANTS:
+            median = {v: measured.median(v) if v in variants else float("nan") for v in TREE_VARIANTS}
+            for variant in variants:
                 seconds = measured.median(variant)
                 on_tree = variant in TREE_VERIFIES
                 rows.append(TreeRow(
@@ -278,11 +304,9 @@ def run_tree_bench(
                     rounds=rounds,
                     floor_us=floor * 1e6,
                     over_floor=ratio(seconds, floor),
-                    tree_over_chain=ratio(seconds, measured.median("chain")) if on_tree else float("nan"),
-                    tree_over_chain_latency=(ratio(seconds, measured.median("chain-latency")) if on_tree
-                                             else float("nan")),
-                    paths_over_tree=(ratio(measured.median("paths"), seconds) if variant in PATHS_COMPARED
-                                     else float("nan")),
+                    tree_over_chain=ratio(seconds, median["chain"]) if on_tree else float("nan"),
+                    tree_over_chain_latency=ratio(seconds, median["chain-latency"]) if on_tree else float("nan"),
+                    paths_over_tree=ratio(median["paths"], seconds) if variant in PATHS_COMPARED else float("nan"),
                 ))
             del operands, timers
     return rows

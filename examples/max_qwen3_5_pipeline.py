@@ -328,14 +328,16 @@ def pipeline_config(folder: Path, drafts: int, device: str):  # noqa: ANN201 (MA
 
 
 def dflash2_pipeline_config(folder: Path, draft: Path, device: str = "gpu",  # noqa: ANN201 (MAX's PipelineConfig)
-                            state_pool_dtype: str | None = None):
+                            state_pool_dtype: str | None = None, memory: float = 0.1,
+                            runtime: dict[str, object] | None = None):
     """As ``max serve --speculative-method dflash2 --draft-model-path DRAFT`` resolves it:
     the bf16 checkpoint in ``folder`` (written with ``Shapes(dtype="bfloat16")``; MAX 26.7's
     drafter runs in bf16 on the target's embeddings) and the drafter of
     :func:`write_dflash2_draft`. A ``gpu`` device spec resolves without a GPU (MAX refuses
     bf16 on a CPU spec); the draft width comes from the drafter (``block_size - 1``).
     ``state_pool_dtype`` is ``--state-pool-dtype`` (MAX's default, None, is the weights'
-    bf16)."""
+    bf16), ``memory`` the KV cache's share of device memory, and ``runtime`` runtime
+    settings added to the batch of 4 without device graph capture."""
     from max.pipelines import PipelineConfig
     from max.pipelines.lib.pipeline_args import PipelineArgs
 
@@ -343,8 +345,9 @@ def dflash2_pipeline_config(folder: Path, draft: Path, device: str = "gpu",  # n
         model_path=str(folder), weight_path=[folder / "model.safetensors"], quantization_encoding="bfloat16",
         draft_model_path=str(draft), draft_quantization_encoding="bfloat16", max_length=256,
         device_specs=[{"device_type": device, "id": 0 if device == "gpu" else -1}],
-        speculative={"speculative_method": "dflash2"}, runtime={"max_batch_size": 4, "device_graph_capture": False},
-        kv_cache={"device_memory_utilization": 0.1, "state_pool_dtype": state_pool_dtype},
+        speculative={"speculative_method": "dflash2"},
+        runtime={"max_batch_size": 4, "device_graph_capture": False, **(runtime or {})},
+        kv_cache={"device_memory_utilization": memory, "state_pool_dtype": state_pool_dtype},
     ))
 
 

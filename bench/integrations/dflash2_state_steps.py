@@ -74,23 +74,17 @@ def step_alone(route: str, target: Path, draft: Path, args: argparse.Namespace) 
     os.environ["GDFOLD_MAX_QWEN3_5_DFLASH2"] = "unvalidated"
     import numpy as np
     from max.driver import Accelerator
-    from max.pipelines import PipelineConfig
     from max.pipelines.architectures.unified_mtp_qwen3_5.batch_processor import UnifiedMTPQwen3_5BatchProcessor
     from max.pipelines.context import SamplingParams
     from max.pipelines.lib.generate import GenerateIterator
-    from max.pipelines.lib.pipeline_args import PipelineArgs
     from max.pipelines.lib.registry import PIPELINE_REGISTRY
 
     example = runpy.run_path(str(EXAMPLE))
-    runtime: dict[str, Any] = {"max_batch_size": 4, "device_graph_capture": False,
-                               "enable_overlap_scheduler": args.overlap == "on"}
+    runtime: dict[str, Any] = {"enable_overlap_scheduler": args.overlap == "on"}
     if route != "max":
         runtime["custom_architectures"] = [MODULE]
-    config = PipelineConfig.from_args(PipelineArgs.from_flat_kwargs(
-        model_path=str(target), weight_path=[target / "model.safetensors"], quantization_encoding="bfloat16",
-        draft_model_path=str(draft), draft_quantization_encoding="bfloat16", max_length=256,
-        device_specs=[{"device_type": "gpu", "id": 0}], speculative={"speculative_method": "dflash2"},
-        runtime=runtime, kv_cache={"device_memory_utilization": args.memory, "state_pool_dtype": "float32"}))
+    config = example["dflash2_pipeline_config"](target, draft, state_pool_dtype="float32", memory=args.memory,
+                                                runtime=runtime)
     # The inputs each step was given: the batch processor's return value, the object the
     # pipeline executes (MAX realizes placeholder tokens on it after this returns).
     given: list[Any] = []

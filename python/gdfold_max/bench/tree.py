@@ -291,7 +291,7 @@ def run_tree_bench(
             floor = 2 * shape.state_bytes(batch, state_dtype) / (copy_tb_s * 1e12)
             median = {v: measured.median(v) if v in variants else float("nan") for v in TREE_VARIANTS}
             for variant in variants:
-                seconds = measured.median(variant)
+                seconds = median[variant]
                 on_tree = variant in TREE_VERIFIES
                 rows.append(TreeRow(
                     variant=variant,

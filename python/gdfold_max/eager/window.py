@@ -25,8 +25,8 @@ from ..ops.checks import pool_dims, ring_parameters
 from ..ops.kernels import kernels_path
 from ..ops.window import (
     GPU_PATHS,
-    TREE_LEAF_WARPS,
     WindowTiling,
+    check_leaf_warps,
     check_qkv_width,
     recurrence,
     verify_ring,
@@ -196,8 +196,7 @@ class WindowRunner(CompiledGraphs):
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,
                  requests_per_block: int | None = None, gpu_path: str = "auto", leaf_warps: int = 1) -> None:
-        if leaf_warps not in (1, TREE_LEAF_WARPS):
-            raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
+        check_leaf_warps(leaf_warps)
         super().__init__(device)
         self.column_tile = column_tile
         self.requests_per_block = requests_per_block

@@ -66,6 +66,12 @@ GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 TREE_LEAF_WARPS = 4
 
 
+def check_leaf_warps(leaf_warps: int) -> None:
+    """Raises ``ValueError`` unless ``leaf_warps`` is 1 or :data:`TREE_LEAF_WARPS`."""
+    if leaf_warps not in (1, TREE_LEAF_WARPS):
+        raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
+
+
 class WindowTiling(TypedDict, total=False):
     """The GPU keywords of :func:`verify_ring` and :func:`recurrence`."""
 
@@ -491,8 +497,7 @@ def verify_tree(
             :func:`verify_ring` does for a bad id.
     """
     check_window_device(recurrent_state.device)
-    if leaf_warps not in (1, TREE_LEAF_WARPS):
-        raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
+    check_leaf_warps(leaf_warps)
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     ring_len = parameters["RING_LEN"]

@@ -187,8 +187,21 @@ def lane_vector(lane_values: SharedFloats, j: Int) -> SIMD[DType.float32, 4]:
 
 
 @always_inline
+def row_decay[
+    CHANNEL: Bool
+](decay_lane: SharedFloats, one_decay: Float32, j: Int, e: Int) -> Float32:
+    """The decay of held row 4j + e (state row (4j + e) * 8 + lane): per-channel, element e
+    of the lane's j-th vector of decays (read again where it is used: L1 holds it); else
+    the token's one decay."""
+    comptime if CHANNEL:
+        return lane_vector(decay_lane, j)[e]
+    else:
+        return one_decay
+
+
+@always_inline
 def tile_token[
-    ROWS: Int, //, K: Int, CHANNEL: Bool = False
+    ROWS: Int, //, K: Int, CHANNEL: Bool = False, KEEP: Bool = True
 ](
     mut held: Array[Columns, ROWS],
     mut pending_out: Columns,
@@ -207,7 +220,12 @@ def tile_token[
     shuffles overlap this token's arithmetic, and the delta u of this lane's column
     (value_at: its value in `values`). With per-channel gates row m * 8 + lane decays
     by its own decay, read from the lane-major `decay_rows` as k is; without, every
-    row by the token's one decay and `decay_rows` is unused."""
+    row by the token's one decay and `decay_rows` is unused.
+
+    Without KEEP (a token tree's leaf: no node steps from its state) the held state is
+    left as it came in: the decayed and updated state is summed into the readout
+    instead of stored, each decayed element computed again in the second pass (the same
+    product: the same bits)."""
     comptime LANE_VECTORS = ceildiv(ROWS, 4)
     var token_scalars_c = scalars.unsafe_load[width=TOKEN_SCALARS, alignment=16](
         c * TOKEN_SCALARS
@@ -221,17 +239,23 @@ def tile_token[
     var previous_o = column_sum(pending_out, lane)
     # kv = S^T k on the decayed state.
     var partial = Columns(0.0)
-    comptime for j in range(LANE_VECTORS):
-        var k4 = lane_vector(k_lane, j)
-        comptime if CHANNEL:
-            var d4 = lane_vector(d_lane, j)
+    comptime if KEEP:
+        comptime for j in range(LANE_VECTORS):
+            var k4 = lane_vector(k_lane, j)
+            comptime if CHANNEL:
+                var d4 = lane_vector(d_lane, j)
+                comptime for e in range(min(4, ROWS - 4 * j)):
+                    held[4 * j + e] = held[4 * j + e] * d4[e]
+                    partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+            else:
+                comptime for e in range(min(4, ROWS - 4 * j)):
+                    held[4 * j + e] = held[4 * j + e] * d
+                    partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+    else:
+        comptime for j in range(LANE_VECTORS):
+            var k4 = lane_vector(k_lane, j)
             comptime for e in range(min(4, ROWS - 4 * j)):
-                held[4 * j + e] = held[4 * j + e] * d4[e]
-                partial = fma(held[4 * j + e], Columns(k4[e]), partial)
-        else:
-            comptime for e in range(min(4, ROWS - 4 * j)):
-                held[4 * j + e] = held[4 * j + e] * d
-                partial = fma(held[4 * j + e], Columns(k4[e]), partial)
+                partial = fma(held[4 * j + e] * row_decay[CHANNEL](d_lane, d, j, e), Columns(k4[e]), partial)
     var kv = column_sum(partial, lane)
     var v = values[unsafe_offset=value_at]
     var error = fma(-kv, inv_k, v)
@@ -243,8 +267,14 @@ def tile_token[
         var k4 = lane_vector(k_lane, j)
         var q4 = lane_vector(q_lane, j)
         comptime for e in range(min(4, ROWS - 4 * j)):
-            held[4 * j + e] = fma(Columns(k4[e]), u_columns, held[4 * j + e])
-            out = fma(held[4 * j + e], Columns(q4[e]), out)
+            comptime if KEEP:
+                held[4 * j + e] = fma(Columns(k4[e]), u_columns, held[4 * j + e])
+                out = fma(held[4 * j + e], Columns(q4[e]), out)
+            else:
+                var updated = fma(
+                    Columns(k4[e]), u_columns, held[4 * j + e] * row_decay[CHANNEL](d_lane, d, j, e)
+                )
+                out = fma(updated, Columns(q4[e]), out)
     pending_out = out
     return (previous_o, u)
 

@@ -1,6 +1,7 @@
 """Checks and launches the window kernels behind `gdfold_verify_ring`,
 `gdfold_verify_ring_fold_on_load` and `gdfold_recurrence`, and of the tree verify
-(`gdfold_verify_tree`, `TREE`: the CPU path, or on a GPU the latency kernel's TREE twin).
+(`gdfold_verify_tree`, `TREE`: the CPU path, or on a GPU the latency kernel's TREE twin or
+the throughput kernel's blocks, window_gpu_tree.mojo).
 
 Shape checks run for both targets before anything is launched. On the CPU the row
 tables and offsets are host memory, so they are checked too before the first store.
@@ -25,6 +26,7 @@ from .operand_checks import (
 from .window_cpu import windows_cpu
 from .window_operands import WindowOperands
 from .window_gpu import window_block_threads, windows_gpu_kernel
+from .window_gpu_tree import windows_gpu_tree_kernel
 from .window_gpu_latency import (
     latency_column_vector,
     latency_slab_columns,
@@ -353,12 +355,15 @@ def run_windows[
     (bench/results/paths-channel-w4-bf16-h100-2026-12-06.txt). Where its staging does
     not fit an SM the op passes GPU_PATH_LATENCY instead (ops/window.py gpu_tiling). `TREE` (a tree verify:
     RECORD, with the parents table, and with FOLD_PREVIOUS the previous accepted paths)
-    runs on the CPU and, on a GPU, on the latency kernel alone (whatever GPU_PATH says),
-    which checks the parents and previous paths itself (they are device memory there).
-    There `LEAF_WARPS` (1 or 4) > 1 shares each unit's leaves among that many warps where
-    the launch is small enough (tree_leaves_shared); the CPU ignores it."""
+    runs on the CPU and, on a GPU, on the latency kernel (GPU_PATH_AUTO or _LATENCY) or
+    on the throughput kernel's blocks (GPU_PATH_THROUGHPUT: windows_gpu_tree_kernel, a
+    block of COLUMN_TILE columns a unit); both check the parents and previous paths
+    themselves (they are device memory there). On the latency kernel `LEAF_WARPS` (1 or
+    4) > 1 shares each unit's leaves among that many warps where the launch is small
+    enough (tree_leaves_shared); the CPU ignores it."""
     comptime assert not TREE or RECORD, "a tree verify records"
     comptime assert LEAF_WARPS == 1 or (TREE and LEAF_WARPS == 4), "LEAF_WARPS: 1, or 4 for a tree"
+    comptime assert LEAF_WARPS == 1 or GPU_PATH != GPU_PATH_THROUGHPUT, "leaves are shared on the latency kernel"
     check_head_dims[K, V, RING_LEN]()
     # The GPU kernel copies a tile's value and delta columns 16 bytes (4 floats) at a
     # time, and its blocks (two threads per column) are whole warps or one warp at most.
@@ -412,11 +417,28 @@ def run_windows[
         comptime LATENCY_CV = latency_column_vector[K, V]()
         var latency_units = batch * num_value_heads * (V // latency_slab_columns[LATENCY_CV]())
         var dependent = latency_units <= sms * DEPENDENT_LATENCY_WARPS_PER_SM
-        comptime if TREE:
-            # A tree verify runs on the latency kernel whatever GPU_PATH says (the
-            # throughput kernel is chain-only). Its parents and previous paths are device
-            # memory: the kernel checks them before any load and skips a request whose
-            # tables are bad.
+        comptime if TREE and GPU_PATH == GPU_PATH_THROUGHPUT:
+            # The tree on the throughput kernel's blocks (window_gpu_tree.mojo): a block
+            # a unit, one request's column tile of one value head. It checks the parents
+            # and previous paths as the latency kernel does.
+            comptime tree_kernel = windows_gpu_tree_kernel[
+                state_dtype, K, V, RING_LEN, FOLD_PREVIOUS, COLUMN_TILE, CHANNEL
+            ]
+            ctx.enqueue_function[tree_kernel](
+                operands.readout, operands.state, operands.ring, operands.qkv,
+                operands.decay, operands.beta, operands.row_ids, operands.ring_row_ids,
+                operands.offsets, operands.previous_ring_row_ids, operands.previous_accepted,
+                Int32(batch), Int32(num_tokens), Int32(num_rows), Int32(num_ring_rows),
+                Int32(num_value_heads), Int32(num_key_heads), Int32(record_stride),
+                operands.parents, operands.previous_nodes,
+                grid_dim=batch * num_value_heads * (V // COLUMN_TILE),
+                block_dim=window_block_threads[COLUMN_TILE](),
+            )
+            return
+        elif TREE:
+            # A tree verify on "auto" or "latency" runs on the latency kernel. Its
+            # parents and previous paths are device memory: the kernel checks them
+            # before any load and skips a request whose tables are bad.
             # One warp a unit, or LEAF_WARPS that share its leaves (tree_leaves_shared).
             def launch_tree[leaf_warps: Int]() raises {imm}:
                 comptime tree_kernel = windows_gpu_latency_tree_kernel[

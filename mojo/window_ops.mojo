@@ -22,10 +22,10 @@ The tree verify (`gdfold_verify_tree`, `gdfold_verify_tree_fold_on_load` and the
 from the state of node `parents[b, i]` (-1: the committed state) and writes record i;
 its fold on load folds the previous step's accepted path (`previous_accepted_nodes`).
 They run the verify's code with its TREE switch on: on the CPU window_cpu.mojo's, on a
-GPU the latency kernel's (window_gpu_latency.mojo), whatever the GPU path. Their tiling
-parameters are fixed (run_windows needs them; neither of those kernels reads them). Their
-one GPU parameter, LEAF_WARPS (1, or 4), shares each unit's leaves among that many warps
-in a small launch (window_launch.tree_leaves_shared).
+GPU the latency kernel's (window_gpu_latency.mojo) for GPU_PATH auto or latency, or on the
+throughput kernel's blocks for GPU_PATH throughput (window_gpu_tree.mojo, a block of
+COLUMN_TILE columns a unit). LEAF_WARPS (1, or 4 on the latency kernel) shares each unit's
+leaves among that many warps in a small launch (window_launch.tree_leaves_shared).
 """
 
 import extensibility
@@ -36,10 +36,6 @@ from std.utils import IndexList
 from .fold_launch import run_fold
 from .window_launch import check_length, run_windows
 from .window_operands import WindowOperands
-
-# The column tile run_windows is instantiated with for the tree ops, which never run on
-# the throughput kernel (it shapes only its blocks): any tile that divides every V would do.
-comptime TREE_COLUMN_TILE = 8
 
 
 @extensibility.register("gdfold_verify_ring")
@@ -314,7 +310,10 @@ struct VerifyTree:
     """
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
+    def execute[
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int, GPU_PATH: Int,
+        LEAF_WARPS: Int,
+    ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -331,7 +330,7 @@ struct VerifyTree:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids).with_parents(parents)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, False, True, LEAF_WARPS,
+            target, K, V, RING_LEN, COLUMN_TILE, 0, GPU_PATH, True, False, False, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -340,7 +339,10 @@ struct VerifyTreeChannel:
     """The tree verify with per-channel gates."""
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
+    def execute[
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int, GPU_PATH: Int,
+        LEAF_WARPS: Int,
+    ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=3, ...],
@@ -357,7 +359,7 @@ struct VerifyTreeChannel:
             readout, qkv, decay, beta, recurrent_state, row_ids, input_row_offsets
         ).with_ring(ring, ring_row_ids).with_parents(parents)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, False, True, True, LEAF_WARPS,
+            target, K, V, RING_LEN, COLUMN_TILE, 0, GPU_PATH, True, False, True, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -367,7 +369,10 @@ struct VerifyTreeFoldOnLoad:
     """
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
+    def execute[
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int, GPU_PATH: Int,
+        LEAF_WARPS: Int,
+    ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -389,7 +394,7 @@ struct VerifyTreeFoldOnLoad:
             previous_ring_row_ids, previous_num_accepted
         ).with_previous_nodes(previous_accepted_nodes)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, False, True, LEAF_WARPS,
+            target, K, V, RING_LEN, COLUMN_TILE, 0, GPU_PATH, True, True, False, True, LEAF_WARPS,
         ](operands, ctx)
 
 
@@ -398,7 +403,10 @@ struct VerifyTreeFoldOnLoadChannel:
     """The tree verify with per-channel gates, folding the previous accepted path first."""
 
     @staticmethod
-    def execute[target: StaticString, K: Int, V: Int, RING_LEN: Int, LEAF_WARPS: Int](
+    def execute[
+        target: StaticString, K: Int, V: Int, RING_LEN: Int, COLUMN_TILE: Int, GPU_PATH: Int,
+        LEAF_WARPS: Int,
+    ](
         readout: OutputTensor[dtype=DType.float32, rank=2, ...],
         qkv: InputTensor[dtype=DType.float32, rank=2, ...],
         decay: InputTensor[dtype=DType.float32, rank=3, ...],
@@ -420,5 +428,5 @@ struct VerifyTreeFoldOnLoadChannel:
             previous_ring_row_ids, previous_num_accepted
         ).with_previous_nodes(previous_accepted_nodes)
         run_windows[
-            target, K, V, RING_LEN, TREE_COLUMN_TILE, 0, 0, True, True, True, True, LEAF_WARPS,
+            target, K, V, RING_LEN, COLUMN_TILE, 0, GPU_PATH, True, True, True, True, LEAF_WARPS,
         ](operands, ctx)

@@ -5,12 +5,13 @@ without fold on load of the previous accepted path; a chain gives the chain veri
 bits; fold on load equals the fold along the path and then the tree; bad input refused
 with the pool and the ring untouched, by the host checks and by the CPU op.
 
-On the GPU (marked ``gpu``: the latency kernel's tree verify), the same random forests
-bit for bit against the reference in every variant, with and without fold on load; a
-chain gives the GPU chain verify's bits; inside a GPU graph a request with bad parents
-or a bad previous path is skipped (its readout NaN, its pool and ring rows as they
-were), the others exact; the eager API on a GPU, with gpu_path "throughput" (a tree
-runs on the latency kernel whatever the path).
+On the GPU (marked ``gpu``), every tree kernel (:data:`TREE_KERNELS`: the latency
+kernel with one warp a unit and with leaves shared among four, the throughput kernel's
+blocks at two column tiles): the same random forests bit for bit against the reference
+in every variant, with and without fold on load; EAGLE-shaped trees; a chain gives the
+GPU chain verify's bits; inside a GPU graph a request with bad parents or a bad previous
+path is skipped (its readout NaN, its pool and ring rows as they were), the others
+exact; the eager API on a GPU with gpu_path "throughput".
 
 Every graph op of a device runs in one graph (``range_matrix.run_many``), one compile;
 the eager tests add the eager fp32 head-gate fold-on-load tree graph.
@@ -71,8 +72,16 @@ def variant_seed(state_dtype: str, gate: Gate) -> int:
 #: tree_leaves_shared: 4 warps a unit up to 2 units an SM): asked for leaf_warps=4, its
 #: units are one warp each.
 ONE_WARP_COPIES = 12
-#: verify_tree's leaf_warps: one warp a unit, and leaves shared among four in a small launch.
-LEAF_WARPS = [1, 4]
+#: The GPU tree kernels, by the suffix of their results' names: verify_tree's keywords.
+#: The latency kernel with one warp a unit, and with leaves shared among four in a small
+#: launch; the throughput kernel's blocks at the default tile (V's 48 columns) and at 16
+#: (three tiles a head).
+TREE_KERNELS: dict[str, dict[str, Any]] = {
+    "": {},
+    " leaf 4": {"leaf_warps": 4},
+    " throughput": {"gpu_path": "throughput"},
+    " throughput tile 16": {"gpu_path": "throughput", "column_tile": 16},
+}
 
 
 @cache
@@ -115,7 +124,7 @@ def reference_tree(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | No
     return out, state, ring
 
 
-def tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | None = None, leaf_warps: int = 1) -> Call:
+def tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | None = None, **kernel: Any) -> Call:
     operands = [*case.tokens(), case.state, case.ring, case.row_ids, case.ring_row_ids, case.input_row_offsets,
                 parents]
     if nodes is not None:
@@ -126,7 +135,7 @@ def tree_call(case: WindowCase, parents: np.ndarray, nodes: np.ndarray | None = 
         if nodes is not None:
             previous = {"previous_ring_row_ids": v[9], "previous_num_accepted": v[10],
                         "previous_accepted_nodes": v[11]}
-        return verify_tree(*v[:9], **previous, leaf_warps=leaf_warps)
+        return verify_tree(*v[:9], **previous, **kernel)
     return Call(operands, (3, 4), add, True)
 
 
@@ -383,8 +392,8 @@ def test_cpu_op_refuses_bad_input_before_writing(runner: WindowRunner, eager_cas
 
 def test_graph_refuses_bad_tables() -> None:
     """While the graph is built: parents or a previous path table of a wrong rank, shape
-    or dtype, and a leaf_warps the kernel does not take. (One graph for every case: each
-    graph loads the kernel package.)"""
+    or dtype, a leaf_warps or gpu_path the kernels do not take, and a column tile that
+    does not divide V. (One graph for every case: each graph loads the kernel package.)"""
     k, v, nv, nk = SHAPE["key_dim"], SHAPE["value_dim"], SHAPE["num_value_heads"], SHAPE["num_key_heads"]
     cpu = DeviceRef.CPU()
     inputs = [TensorType(DType.float32, ["T", 2 * nk * k + nv * v], cpu), TensorType(DType.float32, ["T", nv], cpu),
@@ -408,6 +417,11 @@ def test_graph_refuses_bad_tables() -> None:
             ({"previous_ring_row_ids": rows, "previous_num_accepted": rows, "previous_accepted_nodes": floats},
              r"previous_accepted_nodes: dtype DType.float32 is not an integer dtype"),
             ({"leaf_warps": 2}, r"leaf_warps: 2 must be 1 or 4"),
+            ({"leaf_warps": 4, "gpu_path": "throughput"},
+             r"leaf_warps: 4 shares leaves on the latency kernel only; gpu_path 'throughput' takes 1"),
+            ({"gpu_path": "fastest"}, r"gpu_path: 'fastest' must be one of 'auto', 'latency', 'throughput'"),
+            ({"gpu_path": "throughput", "column_tile": 32},
+             r"column_tile: 32 must be 4, 8, 16 or a multiple of 16, and divide V=48"),
         ]
         names = ("qkv", "decay", "beta", "recurrent_state", "ring", "row_ids", "ring_row_ids", "input_row_offsets")
         for changes, pattern in refusals:
@@ -421,6 +435,10 @@ def test_graph_refuses_bad_tables() -> None:
 def test_the_runner_refuses_a_leaf_warps_the_kernel_does_not_take() -> None:
     with pytest.raises(ValueError, match=r"leaf_warps: 3 must be 1 or 4"):
         WindowRunner("cpu", leaf_warps=3)
+    with pytest.raises(ValueError, match=r"leaf_warps: 4 shares leaves on the latency kernel only"):
+        WindowRunner("cpu", gpu_path="throughput", leaf_warps=4)
+    with pytest.raises(ValueError, match=r"gpu_path: 'fastest' must be one of"):
+        WindowRunner("cpu", gpu_path="fastest")
 
 
 def test_a_graph_casts_parents_without_wrapping() -> None:
@@ -433,7 +451,7 @@ def test_a_graph_casts_parents_without_wrapping() -> None:
         assert got.dtype == np.int32 and got.tolist() == want, dtype
 
 
-# On the GPU: the latency kernel's tree verify, every variant in one GPU graph.
+# On the GPU: every tree kernel, every variant, in one GPU graph.
 
 #: Inside a GPU graph the host checks nothing: request 0's node 2 names itself, request
 #: 5's node 1 names -2 (what the graph makes of a parent int32 cannot hold), and with fold
@@ -480,36 +498,36 @@ def draft_case(nodes: int, depth: int, state_dtype: str, gate: Gate
     return case, parents, previous
 
 
-def leaf_suffix(leaf_warps: int) -> str:
-    """run_all_gpu's name suffix for ``leaf_warps``."""
-    return "" if leaf_warps == 1 else f" leaf {leaf_warps}"
-
-
 @cache
 def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
     """run_all's trees (every variant, with and without fold on load) and chains (the
-    tree verify and the chain verify) on the GPU, the trees again with leaves shared
-    among four warps (``leaf 4`` names) and in a launch too large for that, and the fp32
-    head-gate case with the bad tables of :data:`BAD_PARENTS` and :data:`BAD_PATH`,
-    each way, and the EAGLE-shaped trees of :data:`DRAFT_TREES` each way; one GPU graph."""
+    tree verify and the chain verify) on the GPU; the trees again on every other kernel of
+    :data:`TREE_KERNELS` (its suffix ends their names), with the fp32 head-gate case's bad
+    tables of :data:`BAD_PARENTS` and :data:`BAD_PATH` each way and the EAGLE-shaped trees
+    of :data:`DRAFT_TREES`; a launch too large for leaves shared among four warps, and the
+    same launch on the throughput kernel (more units than its resident blocks); a chain
+    through the throughput kernel's tree; one GPU graph."""
     calls = variant_calls()
-    for dtype, gate in VARIANTS:
-        case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate)
-        calls[f"tree {dtype} {gate}{leaf_suffix(4)}"] = tree_call(case, parents, leaf_warps=4)
-        calls[f"fold on load {dtype} {gate}{leaf_suffix(4)}"] = tree_call(case, parents, nodes, leaf_warps=4)
-    case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
-    bad_parents, bad_nodes = bad_tables(parents, nodes)
-    for leaf_warps in LEAF_WARPS:
-        calls["bad parents" + leaf_suffix(leaf_warps)] = tree_call(case, bad_parents, leaf_warps=leaf_warps)
-        calls["bad parents, fold on load" + leaf_suffix(leaf_warps)] = tree_call(case, bad_parents, bad_nodes,
-                                                                                 leaf_warps=leaf_warps)
+    for suffix, kernel in TREE_KERNELS.items():
+        if suffix:
+            for dtype, gate in VARIANTS:
+                case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate)
+                calls[f"tree {dtype} {gate}{suffix}"] = tree_call(case, parents, **kernel)
+                calls[f"fold on load {dtype} {gate}{suffix}"] = tree_call(case, parents, nodes, **kernel)
+        case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
+        bad_parents, bad_nodes = bad_tables(parents, nodes)
+        calls["bad parents" + suffix] = tree_call(case, bad_parents, **kernel)
+        calls["bad parents, fold on load" + suffix] = tree_call(case, bad_parents, bad_nodes, **kernel)
+        for (nodes, depth), (dtype, gate) in itertools.product(DRAFT_TREES, DRAFT_VARIANTS):
+            case, parents, previous = draft_case(nodes, depth, dtype, gate)
+            calls[f"draft {nodes}x{depth} {dtype} {gate}{suffix}"] = tree_call(case, parents, previous, **kernel)
     for dtype, gate in CHAIN_VARIANTS:
         case, parents, nodes, _ = tree_case(variant_seed(dtype, gate), dtype, gate, ONE_WARP_COPIES)
-        calls[f"one warp a unit {dtype} {gate}"] = tree_call(case, parents, nodes, leaf_warps=4)
-    for (nodes, depth), (dtype, gate), leaf_warps in itertools.product(DRAFT_TREES, DRAFT_VARIANTS, LEAF_WARPS):
-        case, parents, previous = draft_case(nodes, depth, dtype, gate)
-        calls[f"draft {nodes}x{depth} {dtype} {gate}{leaf_suffix(leaf_warps)}"] = tree_call(
-            case, parents, previous, leaf_warps=leaf_warps)
+        calls[f"large launch {dtype} {gate} leaf 4"] = tree_call(case, parents, nodes, leaf_warps=4)
+        calls[f"large launch {dtype} {gate} throughput"] = tree_call(case, parents, nodes, gpu_path="throughput")
+        case = tree_case(variant_seed(dtype, gate), dtype, gate)[0]
+        calls[f"chain tree {dtype} {gate} throughput"] = tree_call(case, chain_parents(BATCH, RING_LEN),
+                                                                   gpu_path="throughput")
     results = run_many("gpu", "verify_tree_gpu", list(calls.values()))
     got: dict[str, tuple[np.ndarray, ...]] = {}
     for name, (readout, written) in zip(calls, results, strict=True):
@@ -519,44 +537,46 @@ def run_all_gpu() -> dict[str, tuple[np.ndarray, ...]]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [" leaf 4", " throughput"])
 @pytest.mark.parametrize(("state_dtype", "gate"), CHAIN_VARIANTS)
-def test_gpu_tree_of_a_large_launch_matches_the_reference(state_dtype: str, gate: Gate) -> None:
-    """The tree verify with fold on load, asked to share leaves among four warps, in a
-    launch too large for that: its units are one warp each."""
+def test_gpu_tree_of_a_large_launch_matches_the_reference(state_dtype: str, gate: Gate, kernel: str) -> None:
+    """The tree verify with fold on load in a launch of 84 requests: asked to share leaves
+    among four warps, too large for that (its units are one warp each); on the throughput
+    kernel, more units than its resident blocks."""
     case, parents, nodes, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate, ONE_WARP_COPIES)
-    got = run_all_gpu()[f"one warp a unit {state_dtype} {gate}"]
-    assert_same(got, reference_tree(case, parents, nodes), "GPU tree (one warp a unit) vs reference")
+    got = run_all_gpu()[f"large launch {state_dtype} {gate}{kernel}"]
+    assert_same(got, reference_tree(case, parents, nodes), f"GPU tree ({kernel.strip()}, a large launch) vs reference")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
+@pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize(("state_dtype", "gate"), VARIANTS)
-def test_gpu_tree_matches_the_reference(state_dtype: str, gate: Gate, leaf_warps: int) -> None:
+def test_gpu_tree_matches_the_reference(state_dtype: str, gate: Gate, kernel: str) -> None:
     case, parents, _, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
-    got = run_all_gpu()[f"tree {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
+    got = run_all_gpu()[f"tree {state_dtype} {gate}{kernel}"]
     assert_same(got, reference_tree(case, parents), "GPU tree vs reference")
     assert_bits_equal(got[1], case.state, "the pool, which a tree verify does not write")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
+@pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize(("state_dtype", "gate"), VARIANTS)
-def test_gpu_fold_on_load_matches_the_reference(state_dtype: str, gate: Gate, leaf_warps: int) -> None:
+def test_gpu_fold_on_load_matches_the_reference(state_dtype: str, gate: Gate, kernel: str) -> None:
     case, parents, nodes, _ = tree_case(variant_seed(state_dtype, gate), state_dtype, gate)
-    got = run_all_gpu()[f"fold on load {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
+    got = run_all_gpu()[f"fold on load {state_dtype} {gate}{kernel}"]
     assert_same(got, reference_tree(case, parents, nodes), "GPU fold on load vs reference")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
+@pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize(("state_dtype", "gate"), DRAFT_VARIANTS)
 @pytest.mark.parametrize(("nodes", "depth"), DRAFT_TREES)
 def test_gpu_draft_tree_matches_the_reference(nodes: int, depth: int, state_dtype: str, gate: Gate,
-                                              leaf_warps: int) -> None:
+                                              kernel: str) -> None:
     """EAGLE-shaped trees with fold on load, where a parent has more leaves than a unit
     has leaf warps: every node's readout, the pool and every record."""
     case, parents, previous = draft_case(nodes, depth, state_dtype, gate)
-    got = run_all_gpu()[f"draft {nodes}x{depth} {state_dtype} {gate}{leaf_suffix(leaf_warps)}"]
+    got = run_all_gpu()[f"draft {nodes}x{depth} {state_dtype} {gate}{kernel}"]
     assert_same(got, reference_tree(case, parents, previous), "GPU draft tree vs reference")
 
 
@@ -568,18 +588,20 @@ def test_gpu_chain_gives_the_gpu_chain_verify_bits(state_dtype: str, gate: Gate)
     chain = results[f"chain ring {state_dtype} {gate}"]
     assert_same(chain, case.run_verify(reference.verify_ring, fold_on_load=False), "GPU chain verify vs reference")
     assert_same(results[f"chain tree {state_dtype} {gate}"], chain, "GPU chain parents vs GPU chain verify")
+    assert_same(results[f"chain tree {state_dtype} {gate} throughput"], chain,
+                "GPU chain parents on the throughput kernel's tree vs GPU chain verify")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("leaf_warps", LEAF_WARPS)
+@pytest.mark.parametrize("kernel", list(TREE_KERNELS))
 @pytest.mark.parametrize("fold_on_load", [False, True], ids=["tree", "fold on load"])
-def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool, leaf_warps: int) -> None:
+def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool, kernel: str) -> None:
     """A request whose parents (or previous path) the kernel finds bad reads NaN and
     leaves its pool row and ring rows as they were; every other request is the
     reference's (run with the good tables)."""
     case, parents, nodes, _ = tree_case(variant_seed("float32", "head"), "float32", "head")
     name = "bad parents, fold on load" if fold_on_load else "bad parents"
-    readout, state, ring = run_all_gpu()[name + leaf_suffix(leaf_warps)]
+    readout, state, ring = run_all_gpu()[name + kernel]
     want = reference_tree(case, parents, nodes if fold_on_load else None)
     skipped = set(BAD_PARENTS) | (set(BAD_PATH) if fold_on_load else set())
     offsets = case.input_row_offsets
@@ -598,9 +620,9 @@ def test_gpu_graph_skips_bad_parents_and_paths(fold_on_load: bool, leaf_warps: i
 
 @pytest.mark.gpu
 def test_gpu_eager_tree_matches_the_reference(eager_case: tuple) -> None:
-    """The eager API on a GPU, its runner forced to the throughput kernel: a tree still
-    runs on the latency kernel, bit for bit, with a path to fold, with one of no nodes,
-    and without the previous tables (the plain tree graph)."""
+    """The eager API on a GPU, its runner on the throughput path (the throughput kernel's
+    tree blocks), bit for bit, with a path to fold, with one of no nodes, and without the
+    previous tables (the plain tree graph)."""
     runner = runner_for("gpu", "throughput")
     case, parents, nodes, _ = eager_case
     assert_same(run_eager(runner, case, parents, nodes), reference_tree(case, parents, nodes),

@@ -7,7 +7,8 @@ kernel's tree verify (with and without fold on load; head and per-channel gates;
 columns a thread, and two with head gates), in fp32 and bf16 pools; then the fold at K = V =
 256 and the tree verify with fold on load at RING_LEN 32 (32-node trees); then the tree
 verify with its leaves shared among four warps (small launches), at four columns a thread
-and, with head gates, two. same_ptx.sh compares it between two versions of mojo/: a change that leaves it
+and, with head gates, two; then the tree verify on the throughput kernel's blocks (64- and
+16-column tiles). same_ptx.sh compares it between two versions of mojo/: a change that leaves it
 identical leaves those kernels' bits and speed as they were.
 
 `_compile_code` is MAX 26.7's own (underscored) entry to the GPU compiler.
@@ -17,6 +18,7 @@ from max.gpu.host.compile import _compile_code, get_gpu_target
 from mojo.fold_gpu import fold_gpu_kernel, fold_path_gpu_kernel
 from mojo.window_gpu import windows_gpu_kernel
 from mojo.window_gpu_latency import windows_gpu_latency_kernel, windows_gpu_latency_tree_kernel
+from mojo.window_gpu_tree import windows_gpu_tree_kernel
 
 
 def op_name(record: Bool, fold_previous: Bool) -> String:
@@ -89,6 +91,15 @@ def throughput[dtype: DType, record: Bool, fold_previous: Bool, tile: Int, chann
     ]().asm)
 
 
+def throughput_tree[dtype: DType, fold_previous: Bool, tile: Int, channel: Bool]():
+    print("// kernel: throughput tree,", dtype, "fold on load" if fold_previous else "verify", "tile", tile,
+          "channel" if channel else "head")
+    print(_compile_code[
+        windows_gpu_tree_kernel[dtype, 128, 128, 4, fold_previous, tile, channel],
+        target=get_gpu_target["sm_90a"](),
+    ]().asm)
+
+
 def main():
     fold[DType.float32, 64, 8, False]()
     fold[DType.bfloat16, 128, 16, False]()
@@ -143,3 +154,11 @@ def main():
         comptime dtype = DType.float32 if d == 0 else DType.bfloat16
         comptime for fold_previous in range(2):
             latency_tree_shared_leaves[dtype, fold_previous == 1, False, 2]()
+    # The tree verify on the throughput kernel's blocks, last: a 64-column tile (two
+    # tiles a head) and a 16-column one (one warp a block).
+    comptime for d in range(2):
+        comptime dtype = DType.float32 if d == 0 else DType.bfloat16
+        comptime for fold_previous in range(2):
+            throughput_tree[dtype, fold_previous == 1, 64, False]()
+            throughput_tree[dtype, fold_previous == 1, 64, True]()
+            throughput_tree[dtype, fold_previous == 1, 16, False]()

@@ -14,7 +14,8 @@ fold on load of the spine instead, over the tree `bench-step --tree` times (the
 latency kernel's tree unit; COLUMN_TILE, REQUESTS_PER_BLOCK and GPU_PATH unused);
 `tree-shared-leaves:NODESxDEPTH` the same with `leaf_warps=4` (a unit's leaves stepped by
 three more warps from its parent's state in shared memory, where the launch is small
-enough), as `bench-step --tree` times it.
+enough) and `tree-throughput:NODESxDEPTH` on the throughput kernel's blocks
+(`gpu_path="throughput"`), as `bench-step --tree` times them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from max.engine import InferenceSession
 
 from gdfold_max.bench.harness import ChainedGraphs, FoldShape
 from gdfold_max.bench.step import StepGraphs, make_step_operands
-from gdfold_max.bench.tree import TreeShape, TreeStepGraphs
+from gdfold_max.bench.tree import TREE_VERIFIES, TreeShape, TreeStepGraphs
 from gdfold_max.ops.window import GPU_PATHS
 
 
@@ -38,11 +39,12 @@ def main() -> None:
         sys.exit(f"DTYPE: float32 or bfloat16, got {dtype_name!r}")
     variant = sys.argv[5] if len(sys.argv) > 5 else "fused"
     tree_variant, _, tree_shape = variant.partition(":")
-    if tree_variant in ("tree", "tree-shared-leaves") and tree_shape:
+    if tree_variant in TREE_VERIFIES and tree_shape:
         run_tree(TreeShape.parse(tree_shape), tree_variant, batch, getattr(DType, dtype_name))
         return
     if variant not in ("fused", "forward"):
-        sys.exit(f"VARIANT: fused, forward, tree:NODESxDEPTH or tree-shared-leaves:NODESxDEPTH, got {variant!r}")
+        sys.exit(f"VARIANT: fused, forward or {' or '.join(f'{v}:NODESxDEPTH' for v in TREE_VERIFIES)}, got"
+                 f" {variant!r}")
     gpu_path = sys.argv[6] if len(sys.argv) > 6 else "auto"
     if gpu_path not in GPU_PATHS:
         sys.exit(f"GPU_PATH: one of {', '.join(GPU_PATHS)}, got {gpu_path!r}")

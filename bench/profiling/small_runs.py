@@ -12,12 +12,13 @@ bad ids on the host): ids past the pool or the ring in GPU graphs of every op an
 memcheck only). ``tree``: the tree verify on the latency kernel (random forests of up to
 4 and 32 nodes, fp32 and bf16 pools, head and per-channel gates, with and without fold on
 load of a previous path, eagerly; then in GPU graphs, requests with bad parents or a bad
-previous path skipped; with one warp a unit and with leaves shared among four;
-``tree-shared``: the four-warp runs alone, for ``SANITIZE_GROUPS=tree-shared``). Small
-enough to run under compute-sanitizer (sanitize.sh), which runs the groups side by side:
+previous path skipped; with one warp a unit and with leaves shared among four, and on
+the throughput kernel's blocks at a 16-column tile; ``tree-shared`` and
+``tree-throughput``: those runs alone, for ``SANITIZE_GROUPS``). Small enough to run under
+compute-sanitizer (sanitize.sh), which runs the groups side by side:
 
     python bench/profiling/small_runs.py [GROUP ...]
-    # fold path latency throughput claimed channel chunks skips shared-row tree tree-shared
+    # fold path latency throughput claimed channel chunks skips shared-row tree tree-shared tree-throughput
 """
 
 from __future__ import annotations
@@ -230,13 +231,21 @@ TREE_WINDOWS = [(4, [4, 0, 1, 4, 3]), (32, [32, 0, 1, 32, 17])]
 
 def run_trees() -> None:
     """The tree verify with one warp a unit and with leaves shared among four
-    (``leaf_warps``; these launches are small enough for four)."""
+    (``leaf_warps``; these launches are small enough for four), and on the throughput
+    kernel's blocks."""
     for leaf_warps in (1, 4):
         run_tree_kernel(WindowRunner("gpu", leaf_warps=leaf_warps))
+    run_tree_kernel(throughput_tree_runner())
+
+
+def throughput_tree_runner() -> WindowRunner:
+    """The tree verify on the throughput kernel's blocks at a 16-column tile: the
+    default K = V = 64 head is then four blocks of one warp."""
+    return WindowRunner("gpu", gpu_path="throughput", column_tile=16)
 
 
 def run_tree_kernel(runner: WindowRunner) -> None:
-    """The tree verify on the GPU (the latency kernel, whatever the runner's path),
+    """The tree verify on the GPU (on the kernel the runner's path and leaf warps pick),
     eagerly, bit for bit against the reference; then GPU graphs whose request 0 has a
     node that names itself as parent and, with fold on load, whose request 3 has a
     previous path out of order: those requests are skipped, the others exact."""
@@ -260,7 +269,7 @@ def run_tree_kernel(runner: WindowRunner) -> None:
             want = reference.verify_tree(*case.tokens(), want_state, want_ring, **tables, parents=parents,
                                          **extra)
             what = (f"tree verify{' with fold on load' if fold_on_load else ''}, RING_LEN {ring_len}, {dtype}"
-                    f" pool, {gate} gates, leaf_warps {runner.leaf_warps}")
+                    f" pool, {gate} gates, leaf_warps {runner.leaf_warps}, {runner.gpu_path} path")
             same_step((got, state, ring), (want, want_state, want_ring), what)
     # In GPU graphs: request 0's node 1 names itself; with fold on load, either that or
     # request 0's previous path backwards (it folds the whole ring, in order, otherwise).
@@ -285,7 +294,8 @@ def run_tree_kernel(runner: WindowRunner) -> None:
         state, ring = case.fresh()
         want = reference.verify_tree(*case.tokens(), state, ring, **tables, **extra)
         got = run_in_graph(runner, kind, case, tables | extra | bad)
-        check_skipped(f"{kind} in a graph, leaf_warps {runner.leaf_warps}, request 0's {what} bad", got,
+        check_skipped(f"{kind} in a graph, leaf_warps {runner.leaf_warps}, {runner.gpu_path} path, request 0's {what}"
+                      " bad", got,
                       (want, state, ring), case, 0)
 
 
@@ -320,12 +330,14 @@ GROUPS = {
     "shared-row": run_shared_row,
     "tree": run_trees,
     "tree-shared": lambda: run_tree_kernel(WindowRunner("gpu", leaf_warps=4)),
+    "tree-throughput": lambda: run_tree_kernel(throughput_tree_runner()),
 }
 
 
 def main() -> None:
-    # With no group named, every group once: `tree` already runs tree-shared's four-warp runs.
-    names = sys.argv[1:] or [name for name in GROUPS if name != "tree-shared"]
+    # With no group named, every group once: `tree` already runs tree-shared's and
+    # tree-throughput's runs.
+    names = sys.argv[1:] or [name for name in GROUPS if name not in ("tree-shared", "tree-throughput")]
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         raise SystemExit(f"unknown groups {unknown}: choose from {list(GROUPS)}")

@@ -219,7 +219,8 @@ def bench_step(
              " instead of the window table.")] = None,
     tree_variants: Annotated[str | None, typer.Option(
         help="With --tree: comma-separated variants to compile and time (default: all of tree,"
-             " tree-shared-leaves, chain, chain-latency, chain-nodes, paths); a ratio to a variant left out is"
+             " tree-shared-leaves, tree-throughput, chain, chain-latency, chain-nodes, paths); a ratio to a"
+             " variant left out is"
              " not shown.")] = None,
 ) -> None:
     """Time one decoding step (verify of every layer + fold): MAX's ops, ours, ours fused, our forward, FLA."""

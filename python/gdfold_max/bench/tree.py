@@ -11,16 +11,19 @@ layer:
 * ``tree-shared-leaves``: the same with ``leaf_warps=4``: in a launch small enough, each
   unit's first warp steps the inner nodes and three more its leaves, from each parent's
   state in shared memory (the same bits; on the CPU the same code).
+* ``tree-throughput``: the same with ``gpu_path="throughput"``: the tree on the
+  throughput kernel's blocks, a block a request's 64-column tile of a value head, its
+  warps sharing each node's staged inputs (the same bits; on the CPU the same code).
 * ``chain``: our ``verify_ring`` with fold on load over a chain of ``depth`` tokens (the
   same depth, ``nodes - depth`` fewer candidates), on the kernel ``auto`` picks (on a GPU
   the throughput kernel): what a tree costs over the chain a user runs today.
-* ``chain-latency``: the same chain on the latency kernel, which every tree verify runs on
-  a GPU: what the tree's extra nodes cost on one kernel.
+* ``chain-latency``: the same chain on the latency kernel, which ``tree`` runs on a GPU:
+  what the tree's extra nodes cost on one kernel.
 * ``chain-nodes``: our ``verify_ring`` with the same fold on load over a chain of ``nodes``
   tokens, on the kernel ``auto`` picks: as many token steps as the tree has nodes, on the
-  throughput kernel at these batches, which runs chains only. What a tree verify on that
-  kernel would cost if staging its tokens by node cost what staging a chain costs (a leaf
-  steps as a token does, without storing the state).
+  throughput kernel at these batches: a bound for ``tree-throughput`` if staging its
+  tokens by node cost what staging a chain costs (a leaf steps as a token does, without
+  storing the state).
 * ``paths``: our ``verify_ring`` with fold on load over every root-to-leaf path of the
   tree as a request of its own, each with its own pool row: what a caller without a tree
   verify does. The copies of the state into those rows are not counted, so this is the
@@ -38,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 from max.driver import Accelerator, Buffer, Device
@@ -63,9 +67,11 @@ from .harness import (
 )
 from .step import FLOOR_COPY_BYTES, make_step_operands, step_host_inputs, step_input_types
 
-TREE_VARIANTS = ("tree", "tree-shared-leaves", "chain", "chain-latency", "chain-nodes", "paths")
-#: The variants that run a tree verify, whose rows carry the ratios to the others.
-TREE_VERIFIES = ("tree", "tree-shared-leaves")
+TREE_VARIANTS = ("tree", "tree-shared-leaves", "tree-throughput", "chain", "chain-latency", "chain-nodes", "paths")
+#: The variants that run a tree verify, whose rows carry the ratios to the others, and
+#: the keywords each gives verify_tree.
+TREE_VERIFIES: dict[str, dict[str, Any]] = {
+    "tree": {}, "tree-shared-leaves": {"leaf_warps": 4}, "tree-throughput": {"gpu_path": "throughput"}}
 #: The rows that carry the separate paths' time over theirs: the tree verifies', and
 #: ``chain-nodes``', what a tree verify on the throughput kernel would give.
 PATHS_COMPARED = (*TREE_VERIFIES, "chain-nodes")
@@ -146,6 +152,7 @@ class TreeStepGraphs(ChainedGraphs):
         self.shapes = {
             "tree": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "tree-shared-leaves": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
+            "tree-throughput": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
             "chain": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
             "chain-latency": dataclasses.replace(shape, ring_len=tree.depth, accepted=accepted),
             "chain-nodes": dataclasses.replace(shape, ring_len=tree.nodes, accepted=accepted),
@@ -172,7 +179,7 @@ class TreeStepGraphs(ChainedGraphs):
                         parents, previous_nodes = tree_tables
                         readout = verify_tree(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,
                                               parents, previous_accepted_nodes=previous_nodes, **previous,
-                                              leaf_warps=4 if variant == "tree-shared-leaves" else 1)
+                                              **TREE_VERIFIES[variant])
                     else:
                         path = "latency" if variant == "chain-latency" else "auto"
                         readout = verify_ring(qkv, decay, beta, pool, ring, rows[layer], ring_rows[layer], offsets,

@@ -188,15 +188,16 @@ class WindowRunner(CompiledGraphs):
         gpu_path: GPU only: ``"auto"``, ``"latency"`` or ``"throughput"``, as in
             :func:`gdfold_max.verify_ring`.
         leaf_warps: GPU only, the tree verify's: 1 or 4, as in
-            :func:`gdfold_max.verify_tree`.
+            :func:`gdfold_max.verify_tree` (1 with ``gpu_path="throughput"``).
 
     Raises:
-        ValueError: a ``leaf_warps`` other than 1 or 4.
+        ValueError: an unknown ``gpu_path``, a ``leaf_warps`` other than 1 or 4, or other
+            than 1 with ``gpu_path="throughput"``.
     """
 
     def __init__(self, device: DeviceLike = None, *, column_tile: int | None = None,
                  requests_per_block: int | None = None, gpu_path: str = "auto", leaf_warps: int = 1) -> None:
-        check_leaf_warps(leaf_warps)
+        check_leaf_warps(leaf_warps, gpu_path)
         super().__init__(device)
         self.column_tile = column_tile
         self.requests_per_block = requests_per_block
@@ -277,7 +278,8 @@ class WindowRunner(CompiledGraphs):
                 if fold_on_load:
                     previous = {"previous_ring_row_ids": rest[4], "previous_num_accepted": rest[5],
                                 "previous_accepted_nodes": rest[6]}
-                out = verify_tree(qkv, decay, beta, state, ring, *rest[:4], **previous, leaf_warps=self.leaf_warps)
+                out = verify_tree(qkv, decay, beta, state, ring, *rest[:4], **previous, leaf_warps=self.leaf_warps,
+                                  gpu_path=self.gpu_path, column_tile=self.column_tile)
             else:
                 ring = graph.inputs[4].buffer
                 rest = [x.tensor for x in graph.inputs[5:]]

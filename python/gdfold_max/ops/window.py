@@ -66,10 +66,17 @@ GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 TREE_LEAF_WARPS = 4
 
 
-def check_leaf_warps(leaf_warps: int) -> None:
-    """Raises ``ValueError`` unless ``leaf_warps`` is 1 or :data:`TREE_LEAF_WARPS`."""
+def check_leaf_warps(leaf_warps: int, gpu_path: str = "auto") -> None:
+    """Raises ``ValueError`` unless ``leaf_warps`` is 1 or :data:`TREE_LEAF_WARPS`, and
+    1 on the throughput path (its blocks share no leaves), and unless ``gpu_path`` is
+    one of :data:`GPU_PATHS`."""
+    if gpu_path not in GPU_PATHS:
+        raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
     if leaf_warps not in (1, TREE_LEAF_WARPS):
         raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
+    if leaf_warps != 1 and gpu_path == "throughput":
+        raise ValueError(f"leaf_warps: {leaf_warps!r} shares leaves on the latency kernel only; gpu_path"
+                         " 'throughput' takes 1")
 
 
 class WindowTiling(TypedDict, total=False):
@@ -435,10 +442,14 @@ def verify_tree(
     previous_num_accepted: TensorValue | None = None,
     previous_accepted_nodes: TensorValue | None = None,
     leaf_warps: int = 1,
+    gpu_path: str = "auto",
+    column_tile: int | None = None,
 ) -> TensorValue:
     """Runs each request's window as a token tree, recording into the ring; returns every
-    node's readout. On the CPU, or on an NVIDIA Hopper GPU on the latency kernel (the
-    throughput kernel runs chains only, and a tree takes no ``gpu_path``).
+    node's readout. On the CPU, or on an NVIDIA Hopper GPU on the latency kernel (one
+    warp a request's 16-column slab of a value head) or, with ``gpu_path="throughput"``,
+    on the throughput kernel's blocks (a block a request's ``column_tile`` columns of a
+    value head, its warps sharing each node's staged inputs).
 
     The window's tokens are the tree's nodes in topological order (``gdfold_max.trees``):
     node ``i`` of request ``b`` steps from the fp32 state of node ``parents[b, i]`` (for
@@ -479,15 +490,21 @@ def verify_tree(
             in shared memory, the other three step its leaves from it, a third each, so
             a unit's chain of steps is its inner nodes; larger launches run one warp a
             unit. The same bits either way; which is faster is for ``bench-step --tree``
-            to say, and 1 stays the default until it has.
+            to say, and 1 stays the default until it has. Only on the latency kernel.
+        gpu_path: GPU only: ``"auto"`` (default) and ``"latency"`` run the latency
+            kernel, ``"throughput"`` the throughput kernel's blocks
+            (mojo/window_gpu_tree.mojo). The same bits on every path.
+        column_tile: GPU only, ``gpu_path="throughput"``: value columns a block owns (4,
+            8, 16 or a multiple of 16 that divides V; default as for :func:`verify_ring`).
 
     Returns:
         The readout, ``[T, nv*V]`` float32.
 
     Raises:
         ValueError: at graph-build time, for a bad rank, dtype or static shape, for only
-            some of the three previous tables, a ``leaf_warps`` other than 1 or 4, or a
-            GPU that is not a Hopper. At run
+            some of the three previous tables, a ``leaf_warps`` other than 1 or 4 (or
+            other than 1 with ``gpu_path="throughput"``), an unknown ``gpu_path``, a
+            ``column_tile`` that does not divide V, or a GPU that is not a Hopper. At run
             time on the CPU, before anything is written: a bad id or offsets, a window
             longer than RING_LEN, a parent that is not -1 or an earlier node of its
             window, a previous path with a node past the ring or out of order, a ring row
@@ -497,10 +514,11 @@ def verify_tree(
             :func:`verify_ring` does for a bad id.
     """
     check_window_device(recurrent_state.device)
-    check_leaf_warps(leaf_warps)
+    check_leaf_warps(leaf_warps, gpu_path)
     parameters, gate, tables = _check_verify_operands(qkv, decay, beta, recurrent_state, ring, row_ids,
                                                       ring_row_ids, input_row_offsets)
     ring_len = parameters["RING_LEN"]
+    tile = _check_column_tile(parameters["V"], column_tile)
     check_tree_table_shape("parents", list(parents.shape), row_ids.shape[0], ring_len)
     tables.append(parent_table("parents", parents))
     name = VERIFY_TREE_OP_NAME
@@ -515,7 +533,8 @@ def verify_tree(
     if gate == "channel":
         name += CHANNEL_OP_SUFFIX
     return _window_op(name, qkv, recurrent_state, [qkv, decay, beta, recurrent_state, ring, *tables],
-                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len, "LEAF_WARPS": leaf_warps})
+                      {"K": parameters["K"], "V": parameters["V"], "RING_LEN": ring_len, "COLUMN_TILE": tile,
+                       "GPU_PATH": GPU_PATHS[gpu_path], "LEAF_WARPS": leaf_warps})
 
 
 def recurrence(

@@ -37,8 +37,8 @@ the previous accepted path's records from the ring, and the nodes that are some 
 parent step in the window's order as chain tokens, each followed by its leaf children
 (step_leaves, leaf_token: stepped on its state, which they leave as it was). Such a node
 whose parent is not the last of them stepped reloads the committed state from the pool
-and folds its parent's root path in, root first (fold_root_path). The throughput kernel
-runs chains only.
+and folds its parent's root path in, root first (fold_root_path). The tree on the
+throughput kernel's blocks (window_gpu_tree.mojo) reuses these two folds and the checks.
 
 A tree unit may be LEAF_WARPS warps (a launch with few units: window_launch.mojo). Its
 first warp does all that one warp does but step leaves: it stages, folds on load and steps

@@ -4,7 +4,7 @@
 eagerly on numpy arrays or MAX buffers. ``verify_ring`` (optionally folding the
 previous step's records as it loads the state) and ``recurrence`` put the verify and
 the forward into a graph, ``verify_tree`` the verify of token trees (on a GPU, on the
-latency kernel); ``WindowRunner`` runs them eagerly. ``reference`` is the
+latency kernel or the throughput kernel's blocks); ``WindowRunner`` runs them eagerly. ``reference`` is the
 numpy oracle, ``layout`` the ring record layout and ``cases`` the recorded-case format.
 
 Importing the package does not import MAX: ``reference``, ``layout`` and ``cases`` need

@@ -354,9 +354,10 @@ class WindowRunner(CompiledGraphs):
         window as a token tree (``parents`` ``[batch, RING_LEN]``), with fold on load of
         the previous step's accepted path when the three previous tables are given;
         returns every node's readout. The ring (and, with fold on load, the pool) is
-        written in place. On a GPU it runs on the latency kernel, whatever the runner's
-        ``gpu_path`` (the throughput kernel runs chains only), with the runner's
-        ``leaf_warps``; the tables are checked
+        written in place. On a GPU it runs on the latency kernel with the runner's
+        ``leaf_warps`` for ``gpu_path`` "auto" and "latency", and on the throughput
+        kernel's blocks (at the runner's ``column_tile``) for "throughput"; the tables
+        are checked
         here, on the host, before anything is written, on either device.
 
         Raises:

@@ -71,7 +71,6 @@ from .window_gpu_staging import (
 comptime VISIT_NODE_MASK: UInt32 = 0xFF
 comptime VISIT_KEEPS: UInt32 = 0x100
 comptime VISIT_RELOADS: UInt32 = 0x200
-comptime SharedInts = Pointer[Int32, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 # Warps of these kernels an SM holds at once: they take up to 255 registers a thread
 # (the held tile, K / 8 rows of four columns, and a node's sums), as the latency tree
 # kernel's one-warp units do (window_launch.TREE_WARPS_PER_SM).
@@ -84,13 +83,22 @@ def tree_blocks_per_sm[THREADS: Int]() -> Int:
 
 
 @always_inline
-def tree_parent(parents: SharedInts, node: Int) -> Int:
+def tree_parent[
+    space: AddressSpace
+](parents: Pointer[Int32, MutUntrackedOrigin, address_space=space], node: Int) -> Int:
     """Node `node`'s parent from the staged table (-1: the committed state)."""
     return Int(parents[unsafe_offset=node])
 
 
 @always_inline
-def inner_visit_at(parents: SharedInts, inner: Int, window: Int, node: Int) -> Int:
+def inner_visit_at[
+    space: AddressSpace
+](
+    parents: Pointer[Int32, MutUntrackedOrigin, address_space=space],
+    inner: Int,
+    window: Int,
+    node: Int,
+) -> Int:
     """Where inner node `node` comes in the visiting order: after the committed state's
     leaves, the inner nodes before it and their leaves."""
     var at = 0
@@ -106,14 +114,21 @@ def inner_visit_at(parents: SharedInts, inner: Int, window: Int, node: Int) -> I
 
 @always_inline
 def plan_visits[
-    THREADS: Int
-](visits: SharedUInts, parents: SharedInts, inner: Int, window: Int, tid: Int):
+    THREADS: Int, space: AddressSpace
+](
+    visits: Pointer[UInt32, MutUntrackedOrigin, address_space=space],
+    parents: Pointer[Int32, MutUntrackedOrigin, address_space=space],
+    inner: Int,
+    window: Int,
+    tid: Int,
+):
     """Lists the unit's visits in `visits` (one entry per node of the window): first the
     leaves of the committed state in the window's order, then each inner node in the
     window's order followed by its leaves, in the window's order. An inner node whose
     parent is not the inner node listed before it (-1 before the first) reloads. Each
     thread places its own nodes; the block's threads call it together and meet at a
-    barrier before reading the list."""
+    barrier before reading the list. (Generic in the address space, so that a host
+    program can check the order: tests/test_window_tree_plan.py.)"""
     for node in range(tid, window, THREADS):
         var parent = tree_parent(parents, node)
         var entry = UInt32(node)

@@ -493,7 +493,10 @@ def verify_tree(
             to say, and 1 stays the default until it has. Only on the latency kernel.
         gpu_path: GPU only: ``"auto"`` (default) and ``"latency"`` run the latency
             kernel, ``"throughput"`` the throughput kernel's blocks
-            (mojo/window_gpu_tree.mojo). The same bits on every path.
+            (mojo/window_gpu_tree.mojo). Each follows the reference's order of
+            arithmetic; ``"throughput"`` is new, its GPU tests
+            (``tests/test_window_tree.py``) are what vouch for its bits, and ``"auto"``
+            does not take it (docs/design.md).
         column_tile: GPU only, ``gpu_path="throughput"``: value columns a block owns (4,
             8, 16 or a multiple of 16 that divides V; default as for :func:`verify_ring`).
 

@@ -191,8 +191,8 @@ def row_decay[
     CHANNEL: Bool
 ](decay_lane: SharedFloats, one_decay: Float32, j: Int, e: Int) -> Float32:
     """The decay of held row 4j + e (state row (4j + e) * 8 + lane): per-channel, element e
-    of the lane's j-th vector of decays (read again where it is used: L1 holds it); else
-    the token's one decay."""
+    of the lane's j-th vector of lane-major decays in shared memory (read again where it is
+    used, not held in registers); else the token's one decay."""
     comptime if CHANNEL:
         return lane_vector(decay_lane, j)[e]
     else:

@@ -31,6 +31,7 @@ verify's token from the token before: the same bits as the latency kernel and th
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, barrier, block_idx, thread_idx
 from max.gpu.memory import async_copy_commit_group, async_copy_wait_all
 from max.gpu.sync import syncwarp
+from std.math import ceildiv
 from std.memory import AddressSpace, stack_allocation
 from std.sys import size_of
 from std.utils import StaticTuple
@@ -78,8 +79,9 @@ comptime TREE_BLOCK_WARPS_PER_SM = 8
 
 
 def tree_blocks_per_sm[THREADS: Int]() -> Int:
-    """Blocks of THREADS threads an SM holds at once (at most 32, the SM's limit)."""
-    return max(1, min(32, TREE_BLOCK_WARPS_PER_SM * WARP_THREADS // THREADS))
+    """Blocks of THREADS threads an SM holds at once: TREE_BLOCK_WARPS_PER_SM warps, a
+    block of less than a warp counting as a whole one (its registers are a warp's)."""
+    return max(1, TREE_BLOCK_WARPS_PER_SM // ceildiv(THREADS, WARP_THREADS))
 
 
 @always_inline

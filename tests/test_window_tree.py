@@ -7,7 +7,7 @@ with the pool and the ring untouched, by the host checks and by the CPU op.
 
 On the GPU (marked ``gpu``), every tree kernel (:data:`TREE_KERNELS`: the latency
 kernel with one warp a unit and with leaves shared among four, the throughput kernel's
-blocks at two column tiles): the same random forests bit for bit against the reference
+blocks at three column tiles): the same random forests bit for bit against the reference
 in every variant, with and without fold on load; EAGLE-shaped trees; a chain gives the
 GPU chain verify's bits; inside a GPU graph a request with bad parents or a bad previous
 path is skipped (its readout NaN, its pool and ring rows as they were), the others
@@ -74,13 +74,14 @@ def variant_seed(state_dtype: str, gate: Gate) -> int:
 ONE_WARP_COPIES = 12
 #: The GPU tree kernels, by the suffix of their results' names: verify_tree's keywords.
 #: The latency kernel with one warp a unit, and with leaves shared among four in a small
-#: launch; the throughput kernel's blocks at the default tile (V's 48 columns) and at 16
-#: (three tiles a head).
+#: launch; the throughput kernel's blocks at the default tile (V's 48 columns: three
+#: warps), at 16 (one warp, three tiles a head) and at 8 (half a warp).
 TREE_KERNELS: dict[str, dict[str, Any]] = {
     "": {},
     " leaf 4": {"leaf_warps": 4},
     " throughput": {"gpu_path": "throughput"},
     " throughput tile 16": {"gpu_path": "throughput", "column_tile": 16},
+    " throughput tile 8": {"gpu_path": "throughput", "column_tile": 8},
 }
 
 

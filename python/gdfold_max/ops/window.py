@@ -66,12 +66,17 @@ GPU_PATHS = {"auto": 0, "latency": 1, "throughput": 2}
 TREE_LEAF_WARPS = 4
 
 
+def check_gpu_path(gpu_path: str) -> None:
+    """Raises ``ValueError`` unless ``gpu_path`` is one of :data:`GPU_PATHS`."""
+    if gpu_path not in GPU_PATHS:
+        raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
+
+
 def check_leaf_warps(leaf_warps: int, gpu_path: str = "auto") -> None:
     """Raises ``ValueError`` unless ``leaf_warps`` is 1 or :data:`TREE_LEAF_WARPS`, and
     1 on the throughput path (its blocks share no leaves), and unless ``gpu_path`` is
     one of :data:`GPU_PATHS`."""
-    if gpu_path not in GPU_PATHS:
-        raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
+    check_gpu_path(gpu_path)
     if leaf_warps not in (1, TREE_LEAF_WARPS):
         raise ValueError(f"leaf_warps: {leaf_warps!r} must be 1 or {TREE_LEAF_WARPS}")
     if leaf_warps != 1 and gpu_path == "throughput":
@@ -126,8 +131,7 @@ def gpu_tiling(state_dtype: DType, key_dim: int, value_dim: int, column_tile: in
     """The window ops' GPU parameters, checked (the CPU path ignores them): the tile
     must divide V, one block's shared memory must fit an SM, and the path is one of
     :data:`GPU_PATHS`."""
-    if gpu_path not in GPU_PATHS:
-        raise ValueError(f"gpu_path: {gpu_path!r} must be one of {', '.join(map(repr, GPU_PATHS))}")
+    check_gpu_path(gpu_path)
     if requests_per_block is not None and requests_per_block < 1:
         raise ValueError(f"requests_per_block: {requests_per_block} must be at least 1")
     requests = AUTOMATIC_REQUESTS_PER_BLOCK if requests_per_block is None else requests_per_block
